@@ -177,6 +177,18 @@ def validate_args(args: Hyperparameters):
 
 
 # =====================================================================================
+# 2. Kernels  (TEMPORARY include while the section is developed in parts/; inlined before release)
+# =====================================================================================
+_PARTS = Path(__file__).resolve().parent / "parts"
+exec(compile((_PARTS / "orthogonalizer.py").read_text(), str(_PARTS / "orthogonalizer.py"), "exec"))
+
+# =====================================================================================
+# 3. Optimizers  (TEMPORARY include, see above)
+# =====================================================================================
+exec(compile((_PARTS / "optimizers.py").read_text(), str(_PARTS / "optimizers.py"), "exec"))
+
+
+# =====================================================================================
 # 5. Data (placed here early only in reading order of the docs; see section 5 below)
 # =====================================================================================
 
