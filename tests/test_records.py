@@ -1,0 +1,480 @@
+"""Tests for records/compare.py: log parsing, statistics, compare/diff/plot/new/run subcommands."""
+import importlib.util
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+REPO = Path(__file__).resolve().parents[1]
+FIX = REPO / "tests" / "fixtures" / "records"
+RUN1 = FIX / "2025-12-11_record_run1.txt"
+RUN2 = FIX / "2025-12-11_record_run2.txt"
+CPU = FIX / "local" / "cpu_smoke_run.txt"
+
+_spec = importlib.util.spec_from_file_location("records_compare", REPO / "records" / "compare.py")
+rc = importlib.util.module_from_spec(_spec)
+sys.modules["records_compare"] = rc
+_spec.loader.exec_module(rc)
+
+PR168_LOSSES = [3.2758, 3.2807, 3.2776, 3.2757, 3.2793, 3.2764, 3.2795, 3.2788, 3.2785, 3.2748]
+PR168_TIMES = [131.238, 131.291, 131.155, 131.157, 131.254, 131.304, 131.155, 131.130, 131.157, 131.265]
+BASE_TIMES = [132.552, 132.817, 132.739, 132.779]
+BASE_LOSSES = [3.2796, 3.2781, 3.2798, 3.2793]
+
+SCRIPT = textwrap.dedent('''\
+    import torch
+    LR = 0.05
+    def train():
+        return LR * 2
+''')
+
+
+def make_log(loss=3.2770, time_ms=131200.0, total=40, script=SCRIPT, config=None, finish=True, val_every=10):
+    """Text of a synthetic log in our trainer's format ending with the given final val_loss/train_time."""
+    cfg = config if config is not None else (
+        'world_size=8 grad_accum_steps=1 device=cuda attn_backend=varlen orthogonalizer=polar '
+        'gpu_name="NVIDIA H100 80GB HBM3"')
+    head = [script.rstrip("\n"), "=" * 100, "Running Python 3.11.9", "Running PyTorch 2.9.1+cu128 compiled for CUDA 12.8",
+            "Running Triton version 3.5.1", f"Run config: {cfg}", "nvidia-smi: not available", "", "=" * 100,
+            "Kernel warm-up done in 93.2s (process start to timed loop: 101.5s)"]
+    body = []
+    last = total if finish else total - val_every
+    for step in range(last + 1):
+        t = time_ms * step / total
+        if step % val_every == 0 or step == total:
+            vl = loss if step == total else loss + 5.0 * (1 - step / total)
+            body.append(f"step:{step}/{total} val_loss:{vl:.4f} train_time:{t:.0f}ms step_avg:{t / max(step, 1):.2f}ms")
+        if step < last:
+            t1 = time_ms * (step + 1) / total
+            body.append(f"step:{step + 1}/{total} train_time:{t1:.0f}ms step_avg:{t1 / (step + 1):.2f}ms")
+    tail = ["peak memory allocated: 30000 MiB reserved: 44000 MiB"] if finish else []
+    return "\n".join(head + body + tail) + "\n"
+
+
+def write_set(d: Path, losses, times_s=None, prefix="run"):
+    d.mkdir(parents=True, exist_ok=True)
+    times_s = times_s or [131.2] * len(losses)
+    paths = []
+    for i, (lo, t) in enumerate(zip(losses, times_s)):
+        p = d / f"{prefix}{i:02d}.txt"
+        p.write_text(make_log(lo, t * 1000))
+        paths.append(p)
+    return paths
+
+
+def cli(capsys, *argv):
+    code = rc.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+def test_parse_upstream_run1_exact():
+    r = rc.parse_log(RUN1)
+    assert r.loss == 3.2757
+    assert r.time_ms == 131157
+    assert r.time_s == pytest.approx(131.157)
+    assert r.step_avg == 60.72
+    assert r.steps == 2160
+    assert (r.peak_alloc, r.peak_reserved) == (29816, 44176)
+    assert r.n_procs == 8
+    assert r.gpu_name == "NVIDIA H100 80GB HBM3"
+    assert r.hardware == "8x NVIDIA H100 80GB HBM3"
+    assert r.torch == "2.10.0.dev20251210+cu126"
+    assert r.cuda == "12.6"
+    assert r.triton == "3.6.0"
+    assert r.python.startswith("3.12.7")
+    assert r.attn_backend is None and r.orthogonalizer is None
+    assert len(r.val) == 10 and r.val[0][:3] == (0, 2160, 10.8258)
+    assert len(r.train) == 2160
+    assert r.script.startswith("# (script source elided")
+
+
+def test_parse_upstream_run2_exact():
+    r = rc.parse_log(RUN2)
+    assert (r.loss, r.time_ms, r.step_avg, r.steps) == (3.2776, 131155, 60.72, 2160)
+    assert (r.peak_alloc, r.peak_reserved) == (30540, 44496)
+    assert r.hardware == "8x NVIDIA H100 80GB HBM3"
+    assert (r.torch, r.triton) == ("2.10.0.dev20251210+cu126", "3.6.0")
+    assert r.val[1][:4] == (250, 2160, 4.3032, 8385)
+
+
+def test_parse_our_cpu_format():
+    r = rc.parse_log(CPU)
+    assert r.device == "cpu" and r.n_procs == 2
+    assert r.attn_backend == "reference" and r.orthogonalizer == "polar"
+    assert r.config["future_key"] == "whatever"  # unknown keys tolerated
+    assert r.smi_available is False and r.gpu_name is None
+    assert r.hardware == "CPU (2 procs)"
+    assert (r.warmup_s, r.startup_s) == (12.3, 15.8)
+    assert r.steps == 30 and r.loss == 6.8358 and r.time_ms == 14731
+    assert r.script.startswith('"""Tiny stand-in') and "=" * 100 not in r.script
+
+
+def test_run_config_overrides_nvidia_smi():
+    # a 1-GPU run on an 8-GPU box: the Run config's world_size and gpu_name win over the nvidia-smi table
+    smi = RUN1.read_text().split("=" * 100)[1]
+    smi_lines = [ln for ln in smi.splitlines() if not ln.startswith("Running")]
+    text = make_log(config='world_size=1 device=cuda attn_backend=varlen gpu_name="NVIDIA H100 80GB HBM3" x=1')
+    text = text.replace("nvidia-smi: not available", "\n".join(smi_lines))
+    r = rc.parse_text(text, "one.txt")
+    assert len(r.smi_gpus) == 8
+    assert r.hardware == "1x NVIDIA H100 80GB HBM3"
+    assert r.attn_backend == "varlen" and r.orthogonalizer is None
+
+
+def test_run_config_bad_quotes_tolerated():
+    assert rc.parse_run_config('a=1 gpu_name="unterminated b=2') == {"a": "1", "gpu_name": '"unterminated', "b": "2"}
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+def test_pvalue_ten_runs_matches_scipy(tmp_path, capsys):
+    expected = stats.ttest_1samp(PR168_LOSSES, 3.28, alternative="less").pvalue
+    assert expected == pytest.approx(0.002439, abs=5e-6)
+    assert rc.p_value_below(PR168_LOSSES, 3.28) == pytest.approx(expected, rel=1e-12)
+    write_set(tmp_path / "pr168", PR168_LOSSES, PR168_TIMES)
+    code, out, _ = cli(capsys, "summary", tmp_path / "pr168", "--target", "3.28")
+    assert code == 0
+    assert "10 finished run(s), 0 skipped" in out
+    assert f"mean val_loss < 3.28): {expected:.4g}" in out
+    assert "0.002439" in out
+    assert "3.2777" in out and "131.2106" in out  # means (SPEC §9)
+    assert "0.0660" in out  # std of times, ddof=1
+
+
+def _sample_with(mean, std, n):
+    z = np.arange(n, dtype=float)
+    z = (z - z.mean()) / z.std(ddof=1)
+    return mean + std * z
+
+
+def test_runs_needed_consistent_with_ttest():
+    m, s = float(np.mean(PR168_LOSSES)), float(np.std(PR168_LOSSES, ddof=1))
+    k = rc.runs_needed(m, s, 3.28)
+    assert k is not None and 2 <= k <= 10  # 10 runs already give p = 0.0024
+    assert stats.ttest_1samp(_sample_with(m, s, k), 3.28, alternative="less").pvalue < 0.01
+    if k > 2:
+        assert stats.ttest_1samp(_sample_with(m, s, k - 1), 3.28, alternative="less").pvalue >= 0.01
+    # baseline 12-10 re-timing: 4 runs, p = 0.063, needs more
+    bm, bs = float(np.mean(BASE_LOSSES)), float(np.std(BASE_LOSSES, ddof=1))
+    kb = rc.runs_needed(bm, bs, 3.28)
+    assert kb > 4
+    assert stats.ttest_1samp(_sample_with(bm, bs, kb), 3.28, alternative="less").pvalue < 0.01
+    assert stats.ttest_1samp(_sample_with(bm, bs, kb - 1), 3.28, alternative="less").pvalue >= 0.01
+    assert rc.runs_needed(3.2800, 0.002, 3.28) is None
+    assert rc.runs_needed(3.2850, 0.002, 3.28) is None
+
+
+def test_runs_needed_reported_and_na(tmp_path, capsys):
+    write_set(tmp_path / "bad", [3.2810, 3.2790, 3.2830])
+    code, out, _ = cli(capsys, "summary", tmp_path / "bad")
+    assert code == 0
+    assert "runs needed for p < 0.01 at this mean/std: n/a (mean >= target)" in out
+    write_set(tmp_path / "base", BASE_LOSSES)
+    code, out, _ = cli(capsys, "summary", tmp_path / "base")
+    k = rc.runs_needed(float(np.mean(BASE_LOSSES)), float(np.std(BASE_LOSSES, ddof=1)), 3.28)
+    assert f"runs needed for p < 0.01 at this mean/std: {k}" in out
+    assert "0.06323" in out  # SPEC §9 baseline p
+
+
+def test_welch_matches_scipy():
+    w = rc.welch(PR168_TIMES, BASE_TIMES)
+    ref = stats.ttest_ind(PR168_TIMES, BASE_TIMES, equal_var=False)
+    assert w["diff"] == pytest.approx(np.mean(PR168_TIMES) - np.mean(BASE_TIMES))
+    assert w["diff"] == pytest.approx(131.2106 - 132.72175, abs=1e-4)
+    assert w["p"] == pytest.approx(ref.pvalue, rel=1e-10)
+    lo, hi = w["ci"]
+    assert lo < w["diff"] < hi < 0
+    # the CI endpoints are exactly where the two-sided Welch test reaches p = 0.05
+    for shift in (lo, hi):
+        p_edge = stats.ttest_ind(np.array(PR168_TIMES) - shift, BASE_TIMES, equal_var=False).pvalue
+        assert p_edge == pytest.approx(0.05, abs=1e-9)
+    if hasattr(ref, "df"):
+        assert w["df"] == pytest.approx(float(ref.df), rel=1e-10)
+
+
+def test_compare_cli_verdict(tmp_path, capsys):
+    new = write_set(tmp_path / "new", PR168_LOSSES, PR168_TIMES)
+    write_set(tmp_path / "prior", BASE_LOSSES, BASE_TIMES)
+    code, out, _ = cli(capsys, "compare", tmp_path / "new", tmp_path / "prior")
+    assert code == 0
+    ref = stats.ttest_ind(PR168_TIMES, BASE_TIMES, equal_var=False).pvalue
+    assert "time diff (new - prior): -1.5112 s" in out
+    assert f"p={rc.fp(ref)}" in out
+    assert "verdict: NEW is faster by 1.511 s" in out and ", significant" in out
+    assert "loss target 3.28 held (p=0.002439 < 0.01)" in out
+    # same comparison with --new/--prior and a comma list
+    code, out2, _ = cli(capsys, "compare", "--new", ",".join(map(str, new)), "--prior", tmp_path / "prior")
+    assert code == 0 and "verdict: NEW is faster by 1.511 s" in out2
+    # reversed: slower and target not held
+    code, out3, _ = cli(capsys, "compare", tmp_path / "prior", tmp_path / "new")
+    assert "NEW is slower" in out3 and "loss target 3.28 NOT held" in out3
+
+
+# ---------------------------------------------------------------------------------------------- malformed logs
+
+def test_malformed_logs_are_named_and_skipped(tmp_path, capsys):
+    d = tmp_path / "mixed"
+    d.mkdir()
+    (d / "a_good.txt").write_text(make_log(3.2770))
+    (d / "b_empty.txt").write_text("")
+    (d / "c_noval.txt").write_text(make_log().split("step:0/")[0] + "step:1/40 train_time:10ms step_avg:10.00ms\n")
+    (d / "d_unfinished.txt").write_text(make_log(finish=False))
+    (d / "e_binary.txt").write_bytes(bytes(range(256)) * 8)
+    (d / "f_nan.txt").write_text(make_log(3.27).replace("val_loss:3.2700", "val_loss:nan"))
+    (d / "g_latin1.txt").write_bytes("caf\xe9 step".encode("latin-1"))
+    code, out, _ = cli(capsys, "summary", d, tmp_path / "missing.txt")
+    assert code == 0
+    assert "1 finished run(s), 7 skipped" in out
+    skipped = {ln.split(": ", 1)[0].split("/")[-1]: ln for ln in out.splitlines() if ln.startswith("SKIPPED")}
+    assert "empty file" in skipped["b_empty.txt"]
+    assert "no validation line" in skipped["c_noval.txt"]
+    assert "unfinished run: last validation at step 30/40" in skipped["d_unfinished.txt"]
+    assert "binary" in skipped["e_binary.txt"]
+    assert "diverged" in skipped["f_nan.txt"]
+    assert "not UTF-8" in skipped["g_latin1.txt"]
+    assert "no such file" in skipped["missing.txt"]
+    assert "| a_good.txt" in out
+    # nothing usable at all -> error exit, files still named
+    code, out, err = cli(capsys, "summary", d / "b_empty.txt", d / "e_binary.txt")
+    assert code == 1 and "b_empty.txt" in out and "e_binary.txt" in out and "no finished runs" in err
+
+
+# ---------------------------------------------------------------------------------------------- diff
+
+def test_diff_shows_exactly_the_changed_line(tmp_path, capsys):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(make_log(script=SCRIPT))
+    b.write_text(make_log(script=SCRIPT.replace("LR = 0.05", "LR = 0.07"), loss=3.2790))
+    code, out, _ = cli(capsys, "diff", b, a)
+    assert code == 0
+    changed = [ln for ln in out.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    assert changed == ["-LR = 0.05", "+LR = 0.07"]
+    assert "---" in out and "PRIOR" in out and "+++" in out and "NEW" in out
+    # a .py file against a log holding the same code: no differences
+    py = tmp_path / "train_gpt.py"
+    py.write_text(SCRIPT)
+    code, out, _ = cli(capsys, "diff", py, a)
+    assert code == 0 and "no code differences" in out
+    # a directory means its first log
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "x.txt").write_text(b.read_text())
+    code, out, _ = cli(capsys, "diff", tmp_path / "dir", py)
+    assert "+LR = 0.07" in out
+    code, out, err = cli(capsys, "diff", tmp_path / "nope.txt", py)
+    assert code == 1 and "nope.txt" in err
+
+
+def test_diff_upstream_logs_identical_scripts(capsys):
+    code, out, _ = cli(capsys, "diff", RUN2, RUN1)
+    assert code == 0 and "no code differences" in out
+
+
+# ---------------------------------------------------------------------------------------------- plot
+
+def _assert_png(path: Path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+    img = mpimg.imread(str(path))
+    assert img.ndim == 3 and img.shape[0] > 300 and img.shape[1] > 300
+
+
+def test_plot_upstream_and_cpu(tmp_path, capsys):
+    out = tmp_path / "p.png"
+    code, stdout, _ = cli(capsys, "plot", RUN1, RUN2, "-o", out)
+    assert code == 0 and "wrote" in stdout
+    _assert_png(out)
+    out2 = tmp_path / "sub" / "single.png"
+    code, _, _ = cli(capsys, "plot", FIX / "local", "-o", out2)
+    assert code == 0
+    _assert_png(out2)
+    code, _, err = cli(capsys, "plot", tmp_path / "missing", "-o", tmp_path / "none.png")
+    assert code == 1 and not (tmp_path / "none.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------- new / run
+
+def test_new_creates_record(tmp_path, capsys):
+    recs = tmp_path / "records"
+    recs.mkdir()
+    (recs / "README.md").write_text("# Records\n\n<!-- rows appended by compare.py new -->\n\n"
+                                    f"{rc.TABLE_HEADER}\n{rc.TABLE_RULE}\n\n## Usage\n\ntext\n")
+    bad = tmp_path / "broken.txt"
+    bad.write_text("")
+    code, out, _ = cli(capsys, "new", "upstream-1211", RUN1, RUN2, bad, "--records-dir", recs, "--date", "2025-12-11",
+                       "--description", "NorMuon speed-ups | Wo pre-multiply")
+    assert code == 0
+    folder = recs / "2025-12-11_upstream-1211"
+    assert (folder / RUN1.name).read_bytes() == RUN1.read_bytes()
+    assert (folder / RUN2.name).exists() and not (folder / "broken.txt").exists()
+    assert "SKIPPED" in out and "broken.txt" in out
+    _assert_png(folder / "plot.png")
+    readme = (folder / "README.md").read_text()
+    assert "NorMuon speed-ups | Wo pre-multiply" in readme
+    assert "![validation loss and step time](plot.png)" in readme
+    assert "| 2025-12-11_record_run1.txt |   3.2757 | 131.157 |" in readme
+    assert "## What changed" in readme
+    top = (recs / "README.md").read_text().splitlines()
+    h = top.index(rc.TABLE_HEADER)
+    row = top[h + 2]
+    assert row.startswith("| 2025-12-11 | 131.156 s | 3.2767 | 2 | 8x NVIDIA H100 80GB HBM3 |")
+    assert "NorMuon speed-ups \\| Wo pre-multiply" in row
+    assert "[2025-12-11_upstream-1211](2025-12-11_upstream-1211/README.md)" in row
+    assert top[h + 3] == "" and "## Usage" in top  # rest of the file untouched
+    # refuses to overwrite, --force replaces (no duplicate row)
+    with pytest.raises(SystemExit, match="already exists"):
+        rc.main(["new", "upstream-1211", str(RUN1), "--records-dir", str(recs), "--date", "2025-12-11"])
+    code, _, _ = cli(capsys, "new", "upstream-1211", RUN1, "--records-dir", recs, "--date", "2025-12-11", "--force",
+                     "--hardware", "8xH100 SXM")
+    text = (recs / "README.md").read_text()
+    assert text.count("](2025-12-11_upstream-1211/README.md)") == 1
+    assert "| 1 | 8xH100 SXM | TODO: describe the change |" in text
+
+
+def test_new_creates_records_readme_and_refuses_empty(tmp_path, capsys):
+    recs = tmp_path / "r"
+    code, _, _ = cli(capsys, "new", "cpu", CPU, "--records-dir", recs, "--date", "2030-01-02")
+    assert code == 0
+    text = (recs / "README.md").read_text()
+    assert rc.TABLE_HEADER in text and "| 2030-01-02 | 14.731 s | 6.8358 | 1 | CPU (2 procs) |" in text
+    empty = tmp_path / "e.txt"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="no finished runs"):
+        rc.main(["new", "nothing", str(empty), "--records-dir", str(recs), "--date", "2030-01-02"])
+    assert not (recs / "2030-01-02_nothing").exists()
+    with pytest.raises(SystemExit, match="record name"):
+        rc.main(["new", "../evil", str(CPU), "--records-dir", str(recs)])
+
+
+def test_split_run_argv():
+    assert rc.split_run_argv(["exp", "3", "--data-path", "data/proxy", "--smoke"]) == (
+        ["exp", "3"], ["--data-path", "data/proxy", "--smoke"])
+    assert rc.split_run_argv(["--nproc", "2", "--force", "exp", "3", "--", "--x", "1"]) == (
+        ["--nproc", "2", "--force", "exp", "3"], ["--x", "1"])
+    assert rc.split_run_argv(["exp", "2"]) == (["exp", "2"], [])
+    with pytest.raises(SystemExit):
+        rc.split_run_argv(["--bogus", "exp", "3"])
+
+
+FAKE_LAUNCHER = textwrap.dedent('''\
+    import sys, uuid, pathlib, json
+    args = sys.argv[1:]
+    out = pathlib.Path("logs"); out.mkdir(exist_ok=True)
+    calls = pathlib.Path("calls.jsonl")
+    n = len(calls.read_text().splitlines()) if calls.exists() else 0
+    with calls.open("a") as f:
+        f.write(json.dumps(args) + "\\n")
+    if "--fail" in args:
+        print("boom"); sys.exit(3)
+    template = pathlib.Path(sys.argv[0]).with_name("template.txt").read_text()
+    path = out / f"{uuid.uuid4()}.txt"
+    path.write_text(template.replace("val_loss:3.2770", f"val_loss:{3.2760 + n / 10000:.4f}"))
+    print(f"logs/{path.name}")
+    print("step:0/40 val_loss:8.2770 ...")
+''')
+
+
+def test_run_with_fake_launcher(tmp_path, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    fake = tmp_path / "fake_launcher.py"
+    fake.write_text(FAKE_LAUNCHER)
+    (tmp_path / "template.txt").write_text(make_log(3.2770))
+    recs = tmp_path / "records"
+    code = rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "1", "--workdir", str(work),
+                    "--records-dir", str(recs), "--date", "2026-01-01", "--description", "fake runs",
+                    "myexp", "3", "--data-path", "data/proxy", "--smoke"])
+    out = capsys.readouterr().out
+    assert code == 0
+    calls = [__import__("json").loads(x) for x in (work / "calls.jsonl").read_text().splitlines()]
+    assert calls == [["--nproc_per_node=1", "train_gpt.py", "--data-path", "data/proxy", "--smoke"]] * 3
+    folder = recs / "2026-01-01_myexp"
+    logs = sorted(folder.glob("*.txt"))
+    assert len(logs) == 3
+    losses = sorted(rc.parse_log(p).loss for p in logs)
+    assert losses == [3.2760, 3.2761, 3.2762]
+    assert "=== run 3/3 ===" in out
+    readme = (folder / "README.md").read_text()
+    assert "./run.sh record myexp 3 --data-path data/proxy --smoke" in readme
+    assert "| 2026-01-01 |" in (recs / "README.md").read_text()
+    # existing folder -> refused before launching anything
+    with pytest.raises(SystemExit, match="already exists"):
+        rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "1", "--workdir", str(work),
+                 "--records-dir", str(recs), "--date", "2026-01-01", "myexp", "1"])
+    assert len((work / "calls.jsonl").read_text().splitlines()) == 3
+    # a failing launcher stops the series and records nothing
+    code = rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "1", "--workdir", str(work),
+                    "--records-dir", str(recs), "--date", "2026-01-01", "failing", "2", "--fail"])
+    err = capsys.readouterr().err
+    assert code == 1 and "run 1/2 failed" in err and "status 3" in err
+    assert not (recs / "2026-01-01_failing").exists()
+
+
+def test_script_runs_from_command_line():
+    res = subprocess.run([sys.executable, str(REPO / "records" / "compare.py"), "summary", str(FIX)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "2 finished run(s), 0 skipped" in res.stdout
+    assert "| 2025-12-11_record_run1.txt |   3.2757 | 131.157 |       60.72 |  2160 |" in res.stdout
+    res = subprocess.run([sys.executable, str(REPO / "records" / "compare.py"), "--help"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert res.returncode == 0 and "summary" in res.stdout and "run" in res.stdout
+
+
+def test_new_appends_to_the_real_records_readme(tmp_path, capsys):
+    recs = tmp_path / "records"
+    recs.mkdir()
+    original = (REPO / "records" / "README.md").read_text()
+    (recs / "README.md").write_text(original)
+    for name, date in (("first", "2026-02-01"), ("second", "2026-02-02")):
+        code, _, _ = cli(capsys, "new", name, RUN1, RUN2, "--records-dir", recs, "--date", date)
+        assert code == 0
+    lines = (recs / "README.md").read_text().splitlines()
+    h = lines.index(rc.TABLE_HEADER)
+    assert lines[h + 1] == rc.TABLE_RULE
+    assert "[2026-02-01_first]" in lines[h + 2] and "[2026-02-02_second]" in lines[h + 3]
+    assert lines[h + 4] == ""
+    # everything else in the file is unchanged
+    assert [ln for ln in lines if "2026-02-0" not in ln] == original.splitlines()
+
+
+def test_trainer_header_variants():
+    # the trainer logs the source followed by a newline, so a blank line precedes the separator
+    py_text = CPU.read_text().split("\n\n" + "=" * 100)[0] + "\n"
+    r = rc.parse_log(CPU)
+    assert r.script.rstrip("\n") + "\n" == py_text
+    text = make_log().replace("Running Triton version 3.5.1", "Running Triton version not installed")
+    r = rc.parse_text(text, "x.txt")
+    assert r.triton == "not installed" and r.torch == "2.9.1+cu128" and r.cuda == "12.8"
+    r = rc.parse_text(make_log(config='world_size=2 device=cpu gpu_name="cpu"'), "cpu.txt")
+    assert r.gpu_name is None and r.hardware == "CPU (2 procs)"
+    assert rc._log_dir_from(["--smoke", "--log-dir", "/tmp/x"]) == "/tmp/x"
+    assert rc._log_dir_from(["--log_dir=out"]) == "out" and rc._log_dir_from(["--smoke"]) is None
+
+
+def test_diff_py_against_cpu_log(tmp_path, capsys):
+    py = tmp_path / "train_gpt.py"
+    py.write_text(CPU.read_text().split("=" * 100)[0].rstrip("\n") + "\n")
+    code, out, _ = cli(capsys, "diff", CPU, py)
+    assert code == 0 and "no code differences" in out
+
+
+def test_real_cpu_smoke_log():
+    """A real log of `compare.py run --nproc 2 smoke 1 --smoke --data-path data/proxy` on the CPU."""
+    r = rc.parse_log(FIX / "local" / "real_cpu_smoke_2proc.txt")
+    assert (r.steps, r.loss, r.time_ms, r.step_avg) == (33, 6.3731, 116281, 3523.67)
+    assert r.hardware == "CPU (2 procs)" and r.attn_backend == "reference" and r.orthogonalizer == "polar"
+    assert (r.peak_alloc, r.peak_reserved) == (1327, 1327)
+    assert r.torch == "2.13.0+cpu" and r.triton == "3.9.0" and r.warmup_s == 14.8
+    assert r.script.lstrip().startswith(("#", '"""', "import", "from")) and "def main" in r.script
+    assert len(r.train) == 33 and [v[0] for v in r.val] == [0, 10, 20, 30, 33]
