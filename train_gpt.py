@@ -68,6 +68,7 @@ class Hyperparameters:
     train_bs_schedule: tuple = (8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8)
     train_bs_extension: int = 24 * 2048 * 8
     lr_plateaus: tuple = (1.0, 1.51, 1.93)  # ~ (bs / 131072) ** 0.6 for the three batch stages
+    lr_plateau_starts: tuple = (0.0, 0.33, 0.66)  # x = step / scheduled steps where each plateau begins
     lr_floor: float = 0.1
     ws_schedule: tuple = (3, 7, 11)       # long attention window per stage, in blocks of block_size
     ws_final: int = 13                    # long window for the extension steps
@@ -109,8 +110,8 @@ class Hyperparameters:
 # `--smoke`: small enough for 2 CPU cores in about a minute, same code paths as the record.
 SMOKE_PRESET = dict(
     model_dim=128, num_heads=2, head_dim=64,
-    train_bs_schedule=(2048 * 2, 2048 * 4, 2048 * 6), train_bs_extension=2048 * 6,
-    train_max_seq_len=256, val_batch_size=8192, val_tokens=16384,
+    train_bs_schedule=(2048, 4096, 6144), train_bs_extension=6144,
+    train_max_seq_len=256, val_batch_size=4096, val_tokens=8192,
     num_scheduled_iterations=30, num_extension_iterations=3, val_loss_every=10,
     warmup_steps_per_stage=2,
 )
@@ -167,8 +168,8 @@ def validate_args(args: Hyperparameters):
          f"--model-dim ({args.model_dim}) must equal --num-heads x --head-dim ({args.num_heads}x{args.head_dim})")
     need(args.head_dim % 4 == 0, "--head-dim must be a multiple of 4 (half-truncated rotary)")
     need(args.num_layers == 12, "the layer map (skips, value embeddings, backout) is defined for --num-layers 12 only")
-    need(len(args.train_bs_schedule) == len(args.ws_schedule) == len(args.lr_plateaus),
-         "--train-bs-schedule, --ws-schedule and --lr-plateaus need one entry per stage")
+    need(len(args.train_bs_schedule) == len(args.ws_schedule) == len(args.lr_plateaus) == len(args.lr_plateau_starts),
+         "--train-bs-schedule, --ws-schedule, --lr-plateaus and --lr-plateau-starts need one entry per stage")
     need(args.num_scheduled_iterations > 0 and args.num_extension_iterations >= 0, "iteration counts must be positive")
     need(args.train_epochs >= 1, "--train-epochs must be >= 1")
     need(args.val_batch_size > 0 and args.val_tokens % args.val_batch_size == 0,
@@ -182,6 +183,72 @@ def validate_args(args: Hyperparameters):
 _PARTS = Path(__file__).resolve().parent / "parts"
 exec(compile((_PARTS / "orthogonalizer.py").read_text(), str(_PARTS / "orthogonalizer.py"), "exec"))
 
+# --- FP8 lm_head matmul ---------------------------------------------------------------
+# Scales chosen so the e4m3/e5m2 casts never saturate: an RMS-normalised row has |x| <= sqrt(768),
+# so x / (sqrt(768)/448) fits e4m3's max of 448; lm_head weights stay far below 448 * 2^-9.
+FP8_X_SCALE = math.sqrt(768) / 448
+FP8_W_SCALE = 2.0 ** -9
+FP8_GRAD_SCALE = 1.0 / 448
+
+
+def _scale_tensor(value: float, like: Tensor) -> Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
+def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    """out = x @ w.T with both operands in e4m3; returns (out bf16, x_f8, w_f8) for the backward."""
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, scale_a=_scale_tensor(x_s, x),
+                           scale_b=_scale_tensor(w_s, x), use_fast_accum=True)
+    return out, x_f8, w_f8
+
+
+@fp8_mm.register_fake
+def _(x, w, x_s, w_s, grad_s):
+    return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
+            torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn))
+
+
+@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
+def fp8_mm_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+    # _scaled_mm wants a row-major first operand and a column-major second one.
+    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
+                              scale_a=_scale_tensor(grad_s, g), scale_b=_scale_tensor(w_s, g), use_fast_accum=False)
+    # dW computed as (768 x vocab) then transposed: measured faster upstream for this shape.
+    grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
+                              scale_a=_scale_tensor(x_s, g), scale_b=_scale_tensor(grad_s, g), use_fast_accum=False).T
+    return grad_x, grad_w
+
+
+@fp8_mm_backward.register_fake
+def _(g, x_f8, w_f8, x_s, w_s, grad_s):
+    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
+
+
+def _fp8_mm_setup_context(ctx, inputs, output):
+    _, _, x_s, w_s, grad_s = inputs
+    _, x_f8, w_f8 = output
+    ctx.save_for_backward(x_f8, w_f8)
+    ctx.scales = (x_s, w_s, grad_s)
+    ctx.set_materialize_grads(False)
+
+
+def _fp8_mm_backward_rule(ctx, grad_out, *_):
+    x_f8, w_f8 = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(grad_out, x_f8, w_f8, *ctx.scales)
+    return grad_x, grad_w, None, None, None
+
+
+fp8_mm.register_autograd(_fp8_mm_backward_rule, setup_context=_fp8_mm_setup_context)
+
+
+def lm_head_fp8(x: Tensor, w: Tensor) -> Tensor:
+    return torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[0]
+
+
 # =====================================================================================
 # 3. Optimizers  (TEMPORARY include, see above)
 # =====================================================================================
@@ -189,7 +256,266 @@ exec(compile((_PARTS / "optimizers.py").read_text(), str(_PARTS / "optimizers.py
 
 
 # =====================================================================================
-# 5. Data (placed here early only in reading order of the docs; see section 5 below)
+# 4. Model
+# =====================================================================================
+
+def norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def tag(p: nn.Parameter, label: str, lr_mul: float = 1.0) -> nn.Parameter:
+    """Attach the optimizer metadata (grouping label, per-parameter lr multiplier)."""
+    p.label, p.lr_mul = label, lr_mul
+    return p
+
+
+class Yarn(nn.Module):
+    """Half-truncated rotary embedding whose low frequencies are stretched (YaRN) when the window grows."""
+
+    def __init__(self, head_dim: int, max_seq_len: int):
+        super().__init__()
+        self.head_dim, self.max_seq_len = head_dim, max_seq_len
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2, dtype=torch.bfloat16), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2, dtype=torch.bfloat16), persistent=False)
+        self.reset()
+
+    def reset(self):
+        n = self.head_dim // 4  # half the (x1, x2) pairs rotate, from 1 down to 1/1024 rad/token; the rest pass through
+        rotating = (1 / 1024) ** torch.linspace(0, 1, steps=n, dtype=torch.float32)
+        self.freqs = torch.cat([rotating, rotating.new_zeros(n)])
+        self.attn_scale = 0.1
+        self._write_tables()
+
+    def _write_tables(self):
+        theta = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float32), self.freqs)
+        with torch.no_grad():  # copy in place so compiled graphs keep pointing at the same buffers
+            self.cos.copy_(theta.cos())
+            self.sin.copy_(theta.sin())
+
+    def apply(self, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0):
+        """Stretch the slow frequencies by old/new window (fast ones kept) and raise the softmax scale."""
+        turns = 128 * old_window * self.freqs / (2 * math.pi)
+        gamma = ((turns - alpha) / (beta - alpha)).clamp(0, 1)
+        ratio = old_window / new_window
+        self.freqs = self.freqs * (ratio + gamma * (1 - ratio))
+        self.attn_scale *= 1 + 0.2 * math.log(new_window / old_window)
+        self._write_tables()
+
+    def rotate(self, x: Tensor) -> Tensor:  # x: (T, heads, head_dim)
+        cos, sin = self.cos[:x.size(0), None, :], self.sin[:x.size(0), None, :]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+# --- attention backends: q, k, v are (T, heads, head_dim) packed documents -------------
+
+def attention_reference(q, k, v, cu_seqlens, max_seqlen, scale, window):
+    """Plain PyTorch: per document, causal, each query sees itself and at most `window` earlier tokens."""
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end <= start:
+            continue  # zero-length padding entries
+        n = end - start
+        qd, kd, vd = (t[start:end].transpose(0, 1).float() for t in (q, k, v))
+        scores = (qd @ kd.transpose(-1, -2)) * scale
+        i = torch.arange(n, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
+        scores = scores.masked_fill((j > i) | (i - j > window), float("-inf"))
+        out[start:end] = (scores.softmax(dim=-1) @ vd).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, window):
+    from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(window, 0))
+
+
+_FA3 = None
+
+
+def attention_fa3(q, k, v, cu_seqlens, max_seqlen, scale, window):
+    return _FA3.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                       max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, causal=True,
+                                       softmax_scale=scale, window_size=(window, 0))
+
+
+ATTENTION_BACKENDS = {"fa3": attention_fa3, "varlen": attention_varlen, "reference": attention_reference}
+
+
+def varlen_available() -> bool:
+    try:
+        import inspect
+        from torch.nn.attention.varlen import varlen_attn
+        return "window_size" in inspect.signature(varlen_attn).parameters
+    except Exception:
+        return False
+
+
+def resolve_attention_backend(requested: str, device_type: str) -> str:
+    """auto: FA3 from the `kernels` hub when installed and reachable (the record's choice), then
+    PyTorch's varlen_attn, then the reference. An explicit request that cannot work is an error."""
+    global _FA3
+    if device_type != "cuda":
+        if requested not in ("auto", "reference"):
+            raise ConfigError(f"--attn-backend {requested} needs a CUDA GPU; use --attn-backend reference on the CPU")
+        return "reference"
+    if requested in ("auto", "fa3"):
+        try:
+            from kernels import get_kernel
+            _FA3 = get_kernel("varunneal/flash-attention-3").flash_attn_interface
+            return "fa3"
+        except Exception as e:
+            if requested == "fa3":
+                raise ConfigError(f"--attn-backend fa3 unavailable ({type(e).__name__}: {e}); "
+                                  "pip install kernels (needs network) or use --attn-backend varlen") from None
+    if requested in ("auto", "varlen"):
+        if varlen_available():
+            return "varlen"
+        if requested == "varlen":
+            raise ConfigError("--attn-backend varlen needs torch.nn.attention.varlen.varlen_attn with window_size "
+                              f"(torch >= 2.10); this is torch {torch.__version__}")
+    return "reference"
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
+        # One stacked fp32 matrix: rows [0, 3d) are Wq, Wk, Wv and rows [3d, 4d) are Wo, all (out, in).
+        self.qkvo_w = tag(nn.Parameter(torch.empty(4 * dim, dim)), "attn")
+        bound = math.sqrt(3) * 0.5 * dim ** -0.5
+        with torch.no_grad():
+            self.qkvo_w[:3 * dim].uniform_(-bound, bound)
+            self.qkvo_w[3 * dim:].zero_()
+        # Sparse gate: one sigmoid per head and token, read off the first 12 channels of the block input.
+        self.attn_gate = nn.Linear(12, num_heads, bias=False)
+        nn.init.zeros_(self.attn_gate.weight)
+        tag(self.attn_gate.weight, "attn_gate")
+
+    def forward(self, x, ve, sa_lambdas, cu_seqlens, max_seqlen, window, yarn, attn_fn):
+        T, d = x.shape
+        w = self.qkvo_w.type_as(x)
+        # sa_lambdas are folded into the weights (a 768x2304 multiply is cheaper than a T x 2304 one).
+        qkv = F.linear(x, sa_lambdas[0] * w[:3 * d]).view(T, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(dim=1)
+        q, k = yarn.rotate(norm(q)), yarn.rotate(norm(k))
+        if ve is not None:
+            v = v + ve.view_as(v)
+        y = attn_fn(q, k, v, cu_seqlens, max_seqlen, yarn.attn_scale, window)
+        y = y * torch.sigmoid(F.linear(x[:, :12], self.attn_gate.weight)).unsqueeze(-1)
+        return F.linear(y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        # Both stored (4d, d): h = x @ c_fc.T, out = h @ c_proj (same function as the untransposed record).
+        self.c_fc = tag(nn.Parameter(torch.empty(4 * dim, dim)), "mlp", lr_mul=1.0)
+        self.c_proj = tag(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", lr_mul=2.0)
+        bound = math.sqrt(3) * 0.5 * dim ** -0.5
+        with torch.no_grad():
+            self.c_fc.uniform_(-bound, bound)
+
+    def forward(self, x):
+        h = F.relu(F.linear(x, self.c_fc.type_as(x))).square()
+        return h @ self.c_proj.type_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, layer: int, dim: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim) if layer not in GPT.NO_ATTENTION else None
+        self.mlp = MLP(dim) if layer not in GPT.NO_MLP else None
+
+
+class GPT(nn.Module):
+    NO_ATTENTION = (0, 7)          # block 0 is empty, block 7 is MLP-only
+    NO_MLP = (0,)
+    LONG_WINDOW_LAYERS = (4, 11)   # the rest use the short window
+    VALUE_EMBED_OF_LAYER = {1: 1, 2: 2, 9: 0, 10: 1, 11: 2}
+    SKIP_FROM, SKIP_TO, BACKOUT_FROM = 4, 7, 8
+    NUM_SCALARS = 62               # 12 skip weights, 12x2 block lambdas, 12x2 SA lambdas, smear, backout
+
+    def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1):
+        super().__init__()
+        d, L = args.model_dim, args.num_layers
+        self.vocab_size = next_multiple_of(args.vocab_size, 128)
+        self.block_size = args.block_size
+        self.embed = nn.Embedding(self.vocab_size, d)
+        self.smear_gate = nn.Linear(12, 1, bias=False)
+        nn.init.zeros_(self.smear_gate.weight)
+        self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
+        self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim) for i in range(L)])
+        self.yarn = Yarn(args.head_dim, max_seq_len)
+        self.lm_head = nn.Linear(d, self.vocab_size, bias=False)
+        nn.init.zeros_(self.lm_head.weight)
+        for m in self.modules():  # embeddings, gates and lm_head live in bf16; the big matrices stay fp32
+            if isinstance(m, (nn.Embedding, nn.Linear)):
+                m.bfloat16()
+        pad = (-self.NUM_SCALARS) % world_size  # DistAdam shards dim 0 across ranks
+        self.scalars = nn.Parameter(torch.cat([
+            torch.full((L,), -1.5),                     # skip weights (sigmoid(-1.5) ~ 0.18)
+            torch.tensor([1.1, 0.0]).repeat(L),         # block lambdas (x, x0)
+            torch.tensor([0.5, 1.0]).repeat(L),         # SA lambdas (qkv, o)
+            torch.tensor([0.0, 0.5]),                   # smear lambda, backout lambda
+            torch.ones(pad)]))
+        tag(self.embed.weight, "embed", 75.0)
+        tag(self.smear_gate.weight, "smear_gate")
+        for ve in self.value_embeds:
+            tag(ve.weight, "value_embed", 75.0)
+        tag(self.lm_head.weight, "lm_head", 1.0)
+        tag(self.scalars, "scalars", 5.0)
+        self.attn_fn = attention_reference
+        self.use_fp8 = False
+
+    def forward(self, input_seq: Tensor, target_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
+                max_seqlen: int) -> Tensor:
+        L = len(self.blocks)
+        skip_w = self.scalars[:L]
+        lambdas = self.scalars[L:3 * L].view(L, 2)
+        sa_lambdas = self.scalars[3 * L:5 * L].view(L, 2)
+        smear_lambda, backout_lambda = self.scalars[5 * L], self.scalars[5 * L + 1]
+
+        ve = [emb(input_seq) for emb in self.value_embeds]
+        x = self.embed(input_seq)
+        # Smear: mix a gated copy of the previous token's embedding into each position (1-token look-back).
+        gate = smear_lambda * torch.sigmoid(F.linear(x[1:, :12], self.smear_gate.weight))
+        x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
+        x = x0 = norm(x)
+        skip = backout = None
+        for i in range(1, L):
+            block = self.blocks[i]
+            if i == self.SKIP_TO:
+                x = x + torch.sigmoid(skip_w[1]) * skip
+            x = lambdas[i, 0] * x + lambdas[i, 1] * x0
+            if block.attn is not None:
+                window = (ws_long if i in self.LONG_WINDOW_LAYERS else ws_short) * self.block_size
+                v = ve[self.VALUE_EMBED_OF_LAYER[i]] if i in self.VALUE_EMBED_OF_LAYER else None
+                x = x + block.attn(norm(x), v, sa_lambdas[i], cu_seqlens, max_seqlen, window, self.yarn, self.attn_fn)
+            if block.mlp is not None:
+                x = x + block.mlp(norm(x))
+            if i == self.SKIP_FROM:
+                skip = x
+            if i == self.BACKOUT_FROM:
+                backout = x
+        x = norm(x - backout_lambda * backout)
+        if self.training and self.use_fp8:
+            logits = lm_head_fp8(x, self.lm_head.weight)
+        else:
+            logits = F.linear(x, self.lm_head.weight)
+        logits = 30 * torch.sigmoid(logits / 7.5)  # softcap into (0, 30)
+        if self.training:  # summed over tokens; the loop divides by the accumulation steps
+            return F.cross_entropy(logits, target_seq, reduction="sum")
+        return F.cross_entropy(logits.float(), target_seq, reduction="mean")
+
+
+def next_multiple_of(x: int, n: int) -> int:
+    return -(-x // n) * n
+
+
+# =====================================================================================
+# 5. Data
 # =====================================================================================
 
 SHARD_MAGIC = 20240520
@@ -234,3 +560,602 @@ def load_data_shard(path, pin_memory: bool = False) -> Tensor:
     if nbytes != 2 * num_tokens:
         raise ShardError(f"shard {path}: read {nbytes} bytes, expected {2 * num_tokens}")
     return tokens
+
+def find_bos(tokens: Tensor) -> np.ndarray:
+    return np.flatnonzero(tokens.numpy() == BOS_ID)
+
+
+class DataExhausted(RuntimeError):
+    """The training files ran out before the schedule ended."""
+
+
+class BOSFinder:
+    """Cuts BOS-aligned per-rank batches out of one shard.
+
+    Every sequence starts at a document's BOS; documents longer than max_seq_len are truncated (the rest is
+    dropped); the last document of a rank is cut so that the rank gets exactly L+1 tokens. One call serves all
+    ranks (rank 0 first) from a shared cursor, so every rank of every process sees the same cut.
+    """
+    QUICK_SCAN_TOKENS = 4_000_000
+    QUICK_SCAN_BATCHES = 5
+
+    def __init__(self, tokens: Tensor, world_size: int, quickload: bool = False):
+        self.tokens, self.world_size, self.i = tokens, world_size, 0
+        self._full_index = None
+        if quickload and len(tokens) > self.QUICK_SCAN_TOKENS:
+            # Start training from a partial index at once; the full scan runs in a thread.
+            self.bos_idx = find_bos(tokens[:self.QUICK_SCAN_TOKENS])
+            self._partial_end = self.QUICK_SCAN_TOKENS
+            self._thread = threading.Thread(target=self._scan_all, daemon=True)
+            self._thread.start()
+            self._batches_left_on_partial = self.QUICK_SCAN_BATCHES
+        else:
+            self.bos_idx = find_bos(tokens)
+            self._partial_end = None
+
+    def _scan_all(self):
+        self._full_index = find_bos(self.tokens)
+
+    def _switch_to_full_index(self):
+        self._thread.join()
+        self.bos_idx, self._partial_end = self._full_index, None
+
+    def next_batch(self, num_tokens: int, max_seq_len: int) -> list:
+        """Per rank, a list of (start, end) token ranges totalling num_tokens + 1. Raises StopIteration
+        when the shard has too few documents left (the partial batch is dropped)."""
+        if self._partial_end is not None:
+            if self._batches_left_on_partial == 0:
+                self._switch_to_full_index()
+            else:
+                self._batches_left_on_partial -= 1
+        ranks = []
+        i, bos, n = self.i, self.bos_idx, len(self.tokens)
+        for _ in range(self.world_size):
+            ranges, filled = [], 0
+            while filled < num_tokens + 1:
+                if i >= len(bos) or (self._partial_end is not None and i + 1 >= len(bos)):
+                    if self._partial_end is not None:  # ran off the partial index: finish the scan, retry
+                        self._switch_to_full_index()
+                        return self.next_batch(num_tokens, max_seq_len)
+                    raise StopIteration
+                start = int(bos[i])
+                next_bos = int(bos[i + 1]) if i + 1 < len(bos) else n
+                end = min(next_bos, start + max_seq_len, start + num_tokens + 1 - filled)
+                ranges.append((start, end))
+                filled += end - start
+                i += 1
+            ranks.append(ranges)
+        self.i = i
+        return ranks
+
+
+def max_num_docs_for(num_tokens: int) -> int:
+    """Fixed cu_seqlens length (keeps compiled shapes static); the median document is ~400 tokens."""
+    return next_multiple_of(max(num_tokens // 300, 1), 128)
+
+
+def pack_cu_seqlens(lengths: list, num_tokens: int, max_num_docs: int) -> Tensor:
+    if len(lengths) + 1 > max_num_docs:
+        raise DataExhausted(f"a batch of {num_tokens} tokens holds {len(lengths)} documents, more than the "
+                            f"{max_num_docs - 1} that cu_seqlens has room for")
+    cu = np.full(max_num_docs, num_tokens, dtype=np.int32)
+    cu[0] = 0
+    cu[1:len(lengths) + 1] = np.cumsum(lengths)
+    return torch.from_numpy(cu)
+
+
+class ShardLoader:
+    """Iterates over shard files (cycled `epochs` times); reads the next shard and indexes its BOS tokens
+    in a background thread while the current one is in use."""
+
+    def __init__(self, files: list, world_size: int, epochs: int = 1, pin_memory: bool = False):
+        self.files = [f for _ in range(epochs) for f in files]
+        self.world_size, self.pin_memory = world_size, pin_memory
+        self.next_file = 0
+        self._pending = None
+
+    def _load(self, path, quickload):
+        tokens = load_data_shard(path, self.pin_memory)
+        return tokens, BOSFinder(tokens, self.world_size, quickload=quickload)
+
+    def _start_preload(self):
+        if self.next_file >= len(self.files):
+            self._pending = None
+            return
+        path = self.files[self.next_file]
+        self.next_file += 1
+        result = {}
+
+        def work():
+            try:
+                result["value"] = self._load(path, quickload=False)
+            except BaseException as e:  # re-raised in the consumer thread
+                result["error"] = e
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        self._pending = (thread, result)
+
+    def first(self):
+        if not self.files:
+            raise DataExhausted("no training files")
+        path = self.files[0]
+        self.next_file = 1
+        current = self._load(path, quickload=True)
+        self._start_preload()
+        return current
+
+    def advance(self):
+        if self._pending is None:
+            raise DataExhausted(f"the training data ran out after {len(self.files)} shard(s): use more shards or "
+                                "--train-epochs N to cycle over them, or shorten the schedule")
+        thread, result = self._pending
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        self._start_preload()
+        return result["value"]
+
+
+def distributed_data_generator(files: list, batch_size: int, max_seq_len: int, grad_accum_steps: int,
+                               rank: int, world_size: int, epochs: int = 1, device: str = "cpu"):
+    """Yields (inputs int32, targets int64, cu_seqlens int32) for this rank's next micro-batch.
+
+    Drive it with .send(): None keeps the settings, (batch_size, max_seq_len, grad_accum_steps) changes them
+    and the batch returned by that same send already uses them. Casts happen on the CPU before the copy.
+    """
+    loader = ShardLoader(files, world_size, epochs, pin_memory=(device == "cuda"))
+    tokens, finder = loader.first()
+    while True:
+        num_tokens = batch_size // (grad_accum_steps * world_size)
+        max_docs = max_num_docs_for(num_tokens)
+        while True:
+            try:
+                ranges = finder.next_batch(num_tokens, max_seq_len)[rank]
+                break
+            except StopIteration:
+                tokens, finder = loader.advance()
+        buf = torch.cat([tokens[s:e] for s, e in ranges])
+        lengths = [e - s for s, e in ranges]
+        lengths[-1] -= 1  # the last token is only a target
+        cu = pack_cu_seqlens(lengths, num_tokens, max_docs)
+        batch = (buf[:-1].to(torch.int32), buf[1:].to(torch.int64), cu)
+        new = yield tuple(t.to(device, non_blocking=True) for t in batch)
+        if new is not None:
+            batch_size, max_seq_len, grad_accum_steps = new
+            if batch_size % (grad_accum_steps * world_size):
+                raise ConfigError(f"batch size {batch_size} is not divisible by grad_accum_steps x world_size "
+                                  f"({grad_accum_steps} x {world_size})")
+
+
+def validation_batches(path, val_batch_size: int, val_tokens: int, grad_accum_steps: int, rank: int,
+                       world_size: int, device: str = "cpu"):
+    """The first val_tokens of the validation shard, contiguous (not BOS-aligned), G micro-batches per step."""
+    tokens = load_data_shard(path)
+    num_tokens = val_batch_size // (grad_accum_steps * world_size)
+    max_docs = max_num_docs_for(num_tokens)
+    steps = grad_accum_steps * val_tokens // val_batch_size
+    for step in range(steps):
+        start = step * num_tokens * world_size + rank * num_tokens
+        buf = tokens[start:start + num_tokens + 1]
+        inputs = buf[:-1]
+        starts = np.flatnonzero(inputs.numpy() == BOS_ID)
+        lengths = np.diff(np.concatenate([[0], starts[starts > 0], [num_tokens]])).tolist()
+        cu = pack_cu_seqlens(lengths, num_tokens, max_docs)
+        yield tuple(t.to(device, non_blocking=True) for t in (inputs.to(torch.int32), buf[1:].to(torch.int64), cu))
+
+
+# =====================================================================================
+# 6. Schedules  (x = step / num_scheduled_iterations)
+# =====================================================================================
+
+def get_stage(step: int, args: Hyperparameters):
+    """Batch-size/window stage index, or None for the extension steps."""
+    if step >= args.num_scheduled_iterations:
+        return None
+    return min(len(args.train_bs_schedule) * step // args.num_scheduled_iterations, len(args.train_bs_schedule) - 1)
+
+
+def get_bs(step: int, args: Hyperparameters) -> int:
+    stage = get_stage(step, args)
+    return args.train_bs_extension if stage is None else args.train_bs_schedule[stage]
+
+
+def get_ws(step: int, args: Hyperparameters) -> tuple:
+    """(short, long) attention windows in blocks."""
+    stage = get_stage(step, args)
+    long = args.ws_final if stage is None else args.ws_schedule[stage]
+    return long // 2, long
+
+
+def get_lr(step: int, args: Hyperparameters) -> float:
+    """Multiplier on every group's initial lr: a plateau that rises with the batch size, then a linear
+    cooldown to lr_floor over the last cooldown_frac of the scheduled steps."""
+    x = step / args.num_scheduled_iterations
+    if x >= 1:
+        return args.lr_floor
+    plateau = args.lr_plateaus[0]
+    for start, value in zip(args.lr_plateau_starts[1:], args.lr_plateaus[1:]):
+        if x > start:
+            plateau = value
+    if x >= 1 - args.cooldown_frac:
+        w = (1 - x) / args.cooldown_frac
+        return plateau * w + args.lr_floor * (1 - w)
+    return plateau
+
+
+def get_muon_momentum(step: int, args: Hyperparameters) -> float:
+    start, end, warmup = args.muon_momentum_warmup
+    frac = min(step / warmup, 1)
+    momentum = (1 - frac) * start + frac * end
+    top, drop, cooldown = args.muon_momentum_cooldown
+    cooldown_start = args.num_iterations - cooldown
+    if step > cooldown_start:
+        momentum = top - drop * (step - cooldown_start) / cooldown
+    return momentum
+
+
+# =====================================================================================
+# 7. Train loop
+# =====================================================================================
+
+PROCESS_START = time.time()  # for the cold-start figure in the log
+SEPARATOR = "=" * 100
+
+
+class Logger:
+    """Rank 0 writes the log file (script source first, then the run) and echoes run lines to the console."""
+
+    def __init__(self, path, master: bool):
+        self.path, self.master = Path(path), master
+        if master:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def __call__(self, text: str = "", console: bool = True):
+        if not self.master:
+            return
+        if console:
+            print(text, flush=True)
+        with open(self.path, "a") as f:
+            f.write(text + "\n")
+
+
+def nvidia_smi() -> str:
+    try:
+        return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "nvidia-smi: not available\n"
+
+
+class BatchStream:
+    """Thin wrapper over the data generator so callers need not prime it with next()."""
+
+    def __init__(self, generator):
+        self.generator, self.started = generator, False
+
+    def get(self, settings=None):
+        if not self.started:
+            self.started = True
+            return next(self.generator)  # the generator was created with the first settings
+        return self.generator.send(settings)
+
+
+def build_optimizers(model: GPT, args: Hyperparameters):
+    hidden = [p for n, p in model.blocks.named_parameters() if p.ndim >= 2 and "gate" not in n]
+    gates = [p for n, p in model.named_parameters() if "gate" in n]
+    adam_params = [model.scalars, model.lm_head.weight, model.embed.weight, *(ve.weight for ve in model.value_embeds)]
+    assert {id(p) for p in hidden + gates + adam_params} == {id(p) for p in model.parameters()}
+    adam = DistAdam(adam_params, lr=args.adam_lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
+    muon = NorMuon(hidden + gates, lr=args.muon_lr, weight_decay=args.muon_weight_decay,
+                   momentum=args.muon_momentum_warmup[0], beta2=args.muon_beta2, orthogonalizer=args.orthogonalizer)
+    for opt in (adam, muon):
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return adam, muon
+
+
+def optimizer_step(step: int, model: nn.Module, adam, muon):
+    """NorMuon steps every step; Adam every other step on the gradient summed over two steps."""
+    if step % 2 == 0:
+        muon.step()
+        muon.zero_grad(set_to_none=True)
+    else:
+        adam.step()
+        muon.step()
+        model.zero_grad(set_to_none=True)
+        adam.should_sync = False
+
+
+@dataclass
+class Trainer:
+    args: Hyperparameters
+    model: GPT                 # the module (state, yarn)
+    forward: object            # the compiled (or plain) callable
+    adam: object
+    muon: object
+    train_files: list
+    val_file: str
+    rank: int
+    world_size: int
+    grad_accum_steps: int
+    device: str
+    log: Logger
+
+    def new_batches(self, batch_size: int) -> BatchStream:
+        a = self.args
+        return BatchStream(distributed_data_generator(self.train_files, batch_size, a.train_max_seq_len,
+                                                      self.grad_accum_steps, self.rank, self.world_size,
+                                                      a.train_epochs, self.device))
+
+    def train_step(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
+                   micro_batches: int):
+        for micro in range(micro_batches):
+            if step % 2 == 1 and micro == micro_batches - 1:
+                self.adam.should_sync = True  # the post-accumulate hooks launch Adam's reduce-scatters
+            inputs, targets, cu_seqlens = batches.get(settings if micro == 0 else None)
+            loss = self.forward(inputs, targets, cu_seqlens, ws_short, ws_long, self.args.train_max_seq_len)
+            (loss / micro_batches).backward()
+        optimizer_step(step, self.model, self.adam, self.muon)
+
+    def set_schedules(self, step: int):
+        lr = get_lr(step, self.args)
+        for opt in (self.adam, self.muon):
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * lr
+        for group in self.muon.param_groups:
+            group["momentum"] = get_muon_momentum(step, self.args)
+
+    @torch.no_grad()
+    def evaluate(self, ws_short: int, ws_long: int, max_steps: int = None) -> float:
+        a = self.args
+        self.model.eval()
+        num_tokens = a.val_batch_size // (self.grad_accum_steps * self.world_size)
+        total, steps = torch.zeros((), device=self.device), 0
+        for inputs, targets, cu_seqlens in validation_batches(self.val_file, a.val_batch_size, a.val_tokens,
+                                                              self.grad_accum_steps, self.rank, self.world_size,
+                                                              self.device):
+            total += self.forward(inputs, targets, cu_seqlens, ws_short, ws_long, num_tokens)
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                break
+        total /= steps
+        if dist.is_initialized():
+            dist.all_reduce(total)  # SUM then divide: gloo has no AVG all-reduce
+            total /= self.world_size
+        self.model.train()
+        return total.item()
+
+    def warm_up_kernels(self):
+        """Untimed: run every graph variant the real run will meet (4 train stages, 5 eval window pairs),
+        then restore the initial weights and optimizer states so the timed run starts from scratch."""
+        a = self.args
+        initial = copy.deepcopy(dict(model=self.model.state_dict(),
+                                     opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
+        stages = list(zip([*a.ws_schedule, a.ws_final], [*a.train_bs_schedule, a.train_bs_extension]))
+        batches = self.new_batches(stages[0][1])
+        previous = None
+        for long, batch_size in stages:
+            if previous is not None:
+                self.model.yarn.apply(previous, long)
+            previous = long
+            for k in range(a.warmup_steps_per_stage):
+                self.train_step(k, batches, (batch_size, a.train_max_seq_len, self.grad_accum_steps), long // 2, long,
+                                micro_batches=1)
+        if self.adam.should_sync:
+            self.adam.step()  # an odd number of warm-up steps leaves reduce-scatters in flight
+        self.model.zero_grad(set_to_none=True)
+        self.model.yarn.reset()
+        previous = None
+        for short, long in [(w // 2, w) for w in (*a.ws_schedule, a.ws_final)] + [(a.ws_final // 2, a.ws_validate_post_yarn_ext)]:
+            if previous is not None and long != a.ws_validate_post_yarn_ext:
+                self.model.yarn.apply(previous, long)
+            previous = long
+            self.evaluate(short, long, max_steps=1)
+        self.model.train()
+        self.model.yarn.reset()
+        self.muon.reset()
+        self.model.load_state_dict(initial["model"])
+        for opt, state in zip((self.adam, self.muon), initial["opts"]):
+            opt.load_state_dict(state)
+        del batches
+
+    def train(self):
+        a, log = self.args, self.log
+        total = a.num_iterations
+        batches = self.new_batches(get_bs(0, a))
+        current_long = get_ws(0, a)[1]
+        previous_bs = get_bs(0, a)
+        training_time_ms = 0.0
+        gc.collect()  # no stop-the-world gen-2 collection in the timed region
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        for step in range(total + 1):
+            last = step == total
+            ws_short, ws_long = get_ws(step, a)
+            if ws_long != current_long:
+                self.model.yarn.apply(current_long, ws_long)
+                current_long = ws_long
+            if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
+                synchronize(self.device)
+                training_time_ms += 1000 * (time.perf_counter() - t0)
+                eval_long = a.ws_validate_post_yarn_ext if last else ws_long  # no YaRN update for the final one
+                val_loss = self.evaluate(ws_short, eval_long)
+                log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
+                    f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+                synchronize(self.device)
+                t0 = time.perf_counter()
+            if last:
+                break
+            bs = get_bs(step, a)
+            settings = (bs, a.train_max_seq_len, self.grad_accum_steps) if bs != previous_bs else None
+            previous_bs = bs
+            self.set_schedules(step)
+            self.train_step(step, batches, settings, ws_short, ws_long, self.grad_accum_steps)
+            approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
+            log(f"step:{step + 1}/{total} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
+        return total
+
+
+def synchronize(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory_line(device: str) -> str:
+    if device == "cuda":
+        return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    import resource  # CPU runs: the process's peak resident set size stands in for both
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    return f"peak memory allocated: {rss} MiB reserved: {rss} MiB"
+
+
+# =====================================================================================
+# 8. main()
+# =====================================================================================
+
+def grad_accum_steps_for(world_size: int) -> int:
+    if world_size in (1, 2, 4, 8):
+        return 8 // world_size
+    if world_size > 8 and world_size % 8 == 0:
+        return 1  # multi-node: one micro-batch per rank, same global batch
+    raise ConfigError(f"world size {world_size} is not supported: use 1, 2, 4 or 8 GPUs per node "
+                      "(or a multiple of 8 across nodes)")
+
+
+def pick_device(args: Hyperparameters) -> str:
+    if args.device == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if args.device == "cuda":
+        raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu (slow; try --smoke)")
+    if args.smoke:
+        print("warning: no CUDA device found, running the smoke preset on the CPU", file=sys.stderr)
+        return "cpu"
+    raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
+
+
+def find_data(args: Hyperparameters, world_size: int, grad_accum_steps: int):
+    """Check the data before any process group exists, so a bad folder fails fast on every rank."""
+    folder = Path(args.data_path)
+    if not folder.is_dir():
+        raise ConfigError(f"data folder {folder} does not exist: run `python data/cached_fineweb10B.py 9` "
+                          "(FineWeb) or `./run.sh proxy` and pass --data-path data/proxy")
+    train_files = sorted(glob.glob(str(folder / args.train_files)))
+    val_files = sorted(glob.glob(str(folder / args.val_files)))
+    if not train_files or not val_files:
+        raise ConfigError(f"no {'training' if not train_files else 'validation'} shards matching "
+                          f"{folder / (args.train_files if not train_files else args.val_files)}: "
+                          "download or build them first (see README)")
+    train_tokens = sum(read_shard_header(f) for f in train_files)
+    val_tokens = read_shard_header(val_files[0])
+    needed = sum(get_bs(s, args) for s in range(args.num_iterations))
+    if train_tokens * args.train_epochs < needed:
+        raise ConfigError(f"too little training data: the schedule consumes {needed:,} tokens but "
+                          f"{len(train_files)} shard(s) x {args.train_epochs} epoch(s) hold "
+                          f"{train_tokens * args.train_epochs:,}; add shards or raise --train-epochs")
+    if val_tokens < args.val_tokens + 1:
+        raise ConfigError(f"validation shard {val_files[0]} holds {val_tokens:,} tokens, fewer than "
+                          f"--val-tokens {args.val_tokens:,} + 1: lower --val-tokens (and --val-batch-size)")
+    for bs in (*args.train_bs_schedule, args.train_bs_extension, args.val_batch_size):
+        if bs % (grad_accum_steps * world_size):
+            raise ConfigError(f"batch size {bs} is not divisible by grad_accum_steps x world_size "
+                              f"({grad_accum_steps} x {world_size})")
+    return train_files, val_files[0]
+
+
+def setup_process_group(device: str, rank: int, world_size: int, local_rank: int) -> str:
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        # Works around a first-backward bug seen on some systems (the record does the same).
+        torch.zeros(1, device="cuda", requires_grad=True).sum().backward()
+    if "RANK" in os.environ:  # launched by torchrun
+        if device == "cuda":
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo")
+        dist.barrier()
+    return device
+
+
+def run(args: Hyperparameters) -> None:
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    master = rank == 0
+    grad_accum_steps = grad_accum_steps_for(world_size)
+    device = pick_device(args)
+    backend = resolve_attention_backend(args.attn_backend, device)
+    use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
+    if use_compile and backend == "reference":
+        raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
+    train_files, val_file = find_data(args, world_size, grad_accum_steps)
+    setup_process_group(device, rank, world_size, local_rank)
+    torch._dynamo.config.recompile_limit = 64
+
+    run_id = args.run_id or str(uuid.uuid4())
+    log = Logger(Path(args.log_dir) / f"{run_id}.txt", master)
+    if master:
+        print(log.path, flush=True)
+    log(Path(__file__).read_text(), console=False)
+    log(SEPARATOR, console=False)
+    log(f"Running Python {sys.version}", console=False)
+    log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}", console=False)
+    log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
+    gpu_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    log(f'Run config: world_size={world_size} grad_accum_steps={grad_accum_steps} device={device} '
+        f'attn_backend={backend} orthogonalizer={args.orthogonalizer} fp8={int(device == "cuda" and not os.environ.get("DISABLE_FP8"))} '
+        f'compile={int(use_compile)} data_path={args.data_path} train_epochs={args.train_epochs} '
+        f'seed={args.seed} gpu_name="{gpu_name}"', console=False)
+    if args.train_epochs > 1:
+        log(f"note: the loader cycles over the training shards {args.train_epochs} times (--train-epochs)")
+    log(nvidia_smi(), console=False)
+    log(SEPARATOR, console=False)
+
+    if args.seed >= 0:
+        torch.manual_seed(args.seed)
+    max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // (grad_accum_steps * world_size)
+    model = GPT(args, max_seq_len=max_seq_len, world_size=world_size).to(device)
+    model.attn_fn = ATTENTION_BACKENDS[backend]
+    model.use_fp8 = device == "cuda" and not os.environ.get("DISABLE_FP8")
+    if dist.is_initialized():
+        for p in model.parameters():  # every rank starts from rank 0's initialisation
+            dist.broadcast(p.detach(), 0)
+    forward = torch.compile(model, dynamic=False, fullgraph=True) if use_compile else model
+    adam, muon = build_optimizers(model, args)
+    trainer = Trainer(args, model, forward, adam, muon, train_files, val_file, rank, world_size,
+                      grad_accum_steps, device, log)
+    t_warm = time.time()
+    trainer.warm_up_kernels()
+    log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
+        f"{time.time() - PROCESS_START:.1f}s)")
+    step = trainer.train()
+    log(peak_memory_line(device))
+    if args.save_checkpoint and master:
+        path = Path(args.log_dir) / run_id / f"state_step{step:06d}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(dict(step=step, code=Path(__file__).read_text(), model=model.state_dict(),
+                        optimizers=[adam.state_dict(), muon.state_dict()]), path)
+
+
+def main(argv=None) -> int:
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        args = parse_args(argv)
+        run(args)
+        return 0
+    except (ConfigError, ShardError, DataExhausted) as e:
+        # Config errors are seen identically by every rank: rank 0 speaks for all. Data errors may hit
+        # one rank only, so that rank reports it (torchrun then stops the others).
+        if rank == 0 or not isinstance(e, ConfigError):
+            prefix = "error" if rank == 0 else f"error (rank {rank})"
+            print(f"{prefix}: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

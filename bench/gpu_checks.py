@@ -1,0 +1,152 @@
+"""GPU correctness checks and orthogonalizer timings (one device call, ~1 minute).
+
+    python bench/gpu_checks.py --out bench/results/gpu_checks.json
+
+Checks, each against a higher-precision reference on the same GPU:
+  * FP8 lm_head op (forward, dX, dW) vs a float32 matmul
+  * attention backends (PyTorch varlen_attn, FA3 when installed) vs the plain-PyTorch reference, fwd + bwd
+  * the three Triton kernels vs float32 torch matmuls on the real shapes
+  * Polar Express vs Turbo-Muon on the real parameter stacks: time and error vs the float64 SVD polar factor
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_gpt as tg  # noqa: E402
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def time_ms(fn, reps=20):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def check_fp8(results):
+    torch.manual_seed(0)
+    T, d, V = 8192, 768, 50304
+    x = tg.norm(torch.randn(T, d, device="cuda")).bfloat16().requires_grad_()
+    w = (torch.randn(V, d, device="cuda") * 0.02).bfloat16().requires_grad_()
+    out = tg.lm_head_fp8(x, w)
+    g = torch.randn_like(out)
+    out.backward(g)
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = xf @ wf.T
+    ref.backward(g.float())
+    results["fp8_lm_head"] = dict(shape=[T, d, V], out_rel_err=rel(out, ref), dx_rel_err=rel(x.grad, xf.grad),
+                                  dw_rel_err=rel(w.grad, wf.grad), dw_dtype=str(w.grad.dtype))
+    # compiled, fullgraph: the fake kernels must trace
+    f = torch.compile(lambda a, b: tg.lm_head_fp8(a, b).float().sum(), fullgraph=True, dynamic=False)
+    results["fp8_lm_head"]["compiled_matches_eager"] = abs(f(x, w).item() - out.float().sum().item()) < 1e-2 * abs(out.float().sum().item()) + 1
+
+
+def random_docs(T, max_len, device):
+    lengths, total = [], 0
+    gen = torch.Generator().manual_seed(1)
+    while total < T:
+        n = int(torch.randint(1, max_len + 1, (1,), generator=gen))
+        n = min(n, T - total)
+        lengths.append(n)
+        total += n
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    cu = torch.cat([cu, torch.full((128 - len(cu) % 128,), T, dtype=torch.int32)])
+    return cu.to(device)
+
+
+def check_attention(results):
+    torch.manual_seed(0)
+    T, H, D = 4096, 6, 128
+    cu = random_docs(T, 1500, "cuda")
+    backends = {"varlen": tg.attention_varlen} if tg.varlen_available() else {}
+    try:
+        tg.resolve_attention_backend("fa3", "cuda")
+        backends["fa3"] = tg.attention_fa3
+    except tg.ConfigError as e:
+        results["attention_fa3"] = f"unavailable: {e}"
+    for window in (384, 1408):
+        q, k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        g = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+        ref = tg.attention_reference(q, k, v, cu, 1500, 0.12, window)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+        for name, fn in backends.items():
+            out = fn(q, k, v, cu, 2048, 0.12, window)
+            grads = torch.autograd.grad(out, (q, k, v), g)
+            results[f"attention_{name}_w{window}"] = dict(
+                out_rel_err=rel(out, ref), dq_rel_err=rel(grads[0], ref_grads[0]),
+                dk_rel_err=rel(grads[1], ref_grads[1]), dv_rel_err=rel(grads[2], ref_grads[2]))
+
+
+def check_kernels(results):
+    torch.manual_seed(0)
+    for n, m, k in ((10, 768, 768), (8, 768, 3072)):
+        X = torch.randn(n, m, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        A = tg.xxt(X)
+        A_ref = X.float() @ X.float().mT
+        B = tg.ba_plus_cAA(A, -2.0, 0.5)
+        B_ref = -2.0 * A.float() + 0.5 * A.float() @ A.float()
+        C = tg.ax_plus_bx(X, B, 3.0)
+        C_ref = 3.0 * X.float() + B.float() @ X.float()
+        results[f"triton_{n}x{m}x{k}"] = dict(
+            xxt_rel_err=rel(A, A_ref), ba_plus_cAA_rel_err=rel(B, B_ref), ax_plus_bx_rel_err=rel(C, C_ref),
+            xxt_ms=time_ms(lambda: tg.xxt(X, out=A)), xxt_torch_ms=time_ms(lambda: torch.bmm(X, X.mT)),
+            ba_plus_cAA_ms=time_ms(lambda: tg.ba_plus_cAA(A, -2.0, 0.5, out=B)),
+            ba_plus_cAA_torch_ms=time_ms(lambda: torch.baddbmm(A, A, A, beta=-2.0, alpha=0.5)),
+            ax_plus_bx_ms=time_ms(lambda: tg.ax_plus_bx(X, B, 3.0, out=C)),
+            ax_plus_bx_torch_ms=time_ms(lambda: torch.baddbmm(X, B, X, beta=3.0)))
+
+
+def polar_factor(G):
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return U @ Vh
+
+
+def check_orthogonalizers(results):
+    torch.manual_seed(0)
+    stacks = {"attn 40x768x768": (40, 768, 768), "mlp 22x3072x768": (22, 3072, 768),
+              "attn_gate 10x6x12": (10, 6, 12), "smear_gate 1x1x12": (1, 1, 12)}
+    for name, shape in stacks.items():
+        G = torch.randn(*shape, device="cuda")
+        ref = polar_factor(G)
+        row = {}
+        for mode, turbo in (("polar", False), ("turbo", True)):
+            fn = torch.compile(lambda x, t=turbo: tg.polar_express(x, turbo=t), dynamic=False, fullgraph=True)
+            out = fn(G)
+            sv = torch.linalg.svdvals(out.double())
+            row[mode] = dict(ms=time_ms(lambda: fn(G)), polar_rel_err=rel(out, ref),
+                             sv_min=sv.min().item(), sv_max=sv.max().item())
+        results[f"orthogonalizer {name}"] = row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/gpu_checks.json")
+    a = ap.parse_args()
+    import triton
+    results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   python=platform.python_version(), command="python bench/gpu_checks.py",
+                   commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
+    for check in (check_fp8, check_attention, check_kernels, check_orthogonalizers):
+        try:
+            check(results)
+        except Exception as e:  # keep going: one broken check must not hide the others
+            results[check.__name__] = f"FAILED: {type(e).__name__}: {e}"
+        print(check.__name__, "done", flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
