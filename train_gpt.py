@@ -1124,6 +1124,8 @@ def run(args: Hyperparameters) -> None:
             dist.broadcast(p.detach(), 0)
     forward = torch.compile(model, dynamic=False, fullgraph=True) if use_compile else model
     adam, muon = build_optimizers(model, args)
+    if use_compile:
+        muon.compile_helpers()
     trainer = Trainer(args, model, forward, adam, muon, train_files, val_file, rank, world_size,
                       grad_accum_steps, device, log)
     t_warm = time.time()

@@ -94,6 +94,7 @@ class NorMuon(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2)
         groups = [dict(params=ps, label=name) for name, ps in self._make_groups(params)]
         super().__init__(groups, defaults)
+        self._orthogonalize_fn = polar_express
         self._second_moment_fn = normuon_second_moment
         self._cautious_update_fn = cautious_update
         # Static sharding layout, parallel to self.param_groups (param lists never change, also not on reload).
@@ -145,9 +146,11 @@ class NorMuon(torch.optim.Optimizer):
     def compile_helpers(self, enabled: bool = True):
         """Route the per-shard math through torch.compile(dynamic=False) (CUDA); compilation happens on first use."""
         if enabled:
+            self._orthogonalize_fn = torch.compile(polar_express, dynamic=False, fullgraph=True)
             self._second_moment_fn = torch.compile(normuon_second_moment, dynamic=False, fullgraph=True)
             self._cautious_update_fn = torch.compile(cautious_update, dynamic=False, fullgraph=True)
         else:
+            self._orthogonalize_fn = polar_express
             self._second_moment_fn, self._cautious_update_fn = normuon_second_moment, cautious_update
         return self
 
@@ -172,7 +175,7 @@ class NorMuon(torch.optim.Optimizer):
         u = grads.lerp(buf, beta)                        # (1-beta) g + beta M  (Nesterov-style)
         if layout["is_attn"]:
             u = u.view(4 * n, rows // 4, cols)           # Wq, Wk, Wv, Wo separately
-        v = polar_express(u, turbo=self.turbo)
+        v = self._orthogonalize_fn(u, turbo=self.turbo)
         dim = layout["reduce_dim"]
         if "second_momentum_buffer" not in group:
             stat_shape = list(v.shape)
