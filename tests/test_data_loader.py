@@ -406,3 +406,21 @@ def test_validation_restarts_from_zero(shards):
     a = list(tg.validation_batches(shards["val"], 1024, 2048, 2, 0, 2))
     b = list(tg.validation_batches(shards["val"], 1024, 2048, 2, 0, 2))
     assert all(torch.equal(x[0], y[0]) for x, y in zip(a, b))
+
+
+def test_generator_on_real_text(tmp_path):
+    """Optional: real GPT-2 tokens (shared corpus + tiktoken); skipped where either is unavailable."""
+    from proxy_shards import real_text_documents
+    docs = real_text_documents(max_docs=150)
+    if not docs:
+        pytest.skip("shared corpus or tiktoken not available")
+    toks = flatten(docs)
+    path = write_shard(tmp_path / "fineweb_train_000001.bin", toks)
+    want = list(ref_stream([toks], 256, 128, 2))
+    assert len(want) >= 3
+    gen = tg.distributed_data_generator([str(path)], 1024, 128, 2, 1, 2)
+    for _, ranks in want:
+        inputs, targets, cu = next(gen)
+        check_batch_format(inputs, targets, cu, 256)
+        ei, et, ec = expected_batch(toks, ranks[1], 256)
+        assert inputs.tolist() == ei.tolist() and targets.tolist() == et.tolist() and cu.tolist() == ec.tolist()
