@@ -213,7 +213,7 @@ def _(x, w, x_s, w_s, grad_s):
 
 @torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
 def fp8_mm_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    g_f8 = g.div(grad_s).to(torch.float8_e5m2)
+    g_f8 = g.contiguous().div(grad_s).to(torch.float8_e5m2)
     # _scaled_mm wants a row-major first operand and a column-major second one.
     grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
                               scale_a=_scale_tensor(grad_s, g), scale_b=_scale_tensor(w_s, g), use_fast_accum=False)
@@ -225,7 +225,9 @@ def fp8_mm_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: floa
 
 @fp8_mm_backward.register_fake
 def _(g, x_f8, w_f8, x_s, w_s, grad_s):
-    return x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32)
+    # grad_w is the transpose of a contiguous (768, vocab) result: same strides as the real kernel's output.
+    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
+            w_f8.new_empty((w_f8.size(1), w_f8.size(0)), dtype=torch.float32).T)
 
 
 def _fp8_mm_setup_context(ctx, inputs, output):
@@ -292,8 +294,11 @@ class Yarn(nn.Module):
             self.cos.copy_(theta.cos())
             self.sin.copy_(theta.sin())
 
-    def apply(self, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0):
-        """Stretch the slow frequencies by old/new window (fast ones kept) and raise the softmax scale."""
+    def apply(self, old_window, new_window=None, alpha: float = 1.0, beta: float = 32.0):
+        """Stretch the slow frequencies by old/new window (fast ones kept) and raise the softmax scale.
+        (The SPEC's name; called with one function it still acts as nn.Module.apply.)"""
+        if callable(old_window) and new_window is None:
+            return super().apply(old_window)
         turns = 128 * old_window * self.freqs / (2 * math.pi)
         gamma = ((turns - alpha) / (beta - alpha)).clamp(0, 1)
         ratio = old_window / new_window
@@ -534,11 +539,12 @@ def read_shard_header(path) -> int:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(HEADER_INTS * 4), dtype="<i4")
+            raw = f.read(HEADER_INTS * 4)
     except OSError as e:
         raise ShardError(f"cannot read shard {path}: {e.strerror}") from None
-    if header.size != HEADER_INTS:
+    if len(raw) < HEADER_INTS * 4:
         raise ShardError(f"shard {path} is shorter than its 1024-byte header ({size} bytes): re-download or rebuild it")
+    header = np.frombuffer(raw, dtype="<i4")
     if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
         raise ShardError(f"shard {path} has magic {header[0]} version {header[1]}, expected {SHARD_MAGIC} "
                          f"version {SHARD_VERSION}: not a speedrun token shard")
@@ -881,6 +887,10 @@ class Trainer:
     device: str
     log: Logger
 
+    def console(self, text: str):
+        if self.log.master:
+            print(text, flush=True)
+
     def new_batches(self, batch_size: int) -> BatchStream:
         a = self.args
         return BatchStream(distributed_data_generator(self.train_files, batch_size, a.train_max_seq_len,
@@ -935,12 +945,15 @@ class Trainer:
         batches = self.new_batches(stages[0][1])
         previous = None
         for long, batch_size in stages:
+            t = time.time()
             if previous is not None:
                 self.model.yarn.apply(previous, long)
             previous = long
             for k in range(a.warmup_steps_per_stage):
                 self.train_step(k, batches, (batch_size, a.train_max_seq_len, self.grad_accum_steps), long // 2, long,
                                 micro_batches=1)
+            synchronize(self.device)
+            self.console(f"warm-up: train graphs for batch {batch_size}, window {long}: {time.time() - t:.1f}s")
         if self.adam.should_sync:
             self.adam.step()  # an odd number of warm-up steps leaves reduce-scatters in flight
         self.model.zero_grad(set_to_none=True)
@@ -950,7 +963,9 @@ class Trainer:
             if previous is not None and long != a.ws_validate_post_yarn_ext:
                 self.model.yarn.apply(previous, long)
             previous = long
+            t = time.time()
             self.evaluate(short, long, max_steps=1)
+            self.console(f"warm-up: eval graph for windows ({short}, {long}): {time.time() - t:.1f}s")
         self.model.train()
         self.model.yarn.reset()
         self.muon.reset()

@@ -8,13 +8,13 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ ! -f data/proxy/fineweb_train_000001.bin ]; then
-    /usr/bin/time -v ./run.sh proxy "$CORPUS" 2>&1 | grep -vE '^\s+(Page|Vol|Invol|Swaps|File|Socket|Signals|Average|Exit|Minor|Major|Percent)' | tee "$OUT/proxy_build.txt"
+    ( time timeout 120 ./run.sh proxy "$CORPUS" ) 2>&1 | tee "$OUT/proxy_build.txt" | tail -3
 fi
 if [ "$CHECKS" = 1 ]; then
-    timeout 240 python3 bench/gpu_checks.py --out "$OUT/gpu_checks.json" > "$OUT/gpu_checks_console.txt" 2>&1
+    timeout ${CHECK_TIMEOUT:-240} python3 bench/gpu_checks.py --out "$OUT/gpu_checks.json" > "$OUT/gpu_checks_console.txt" 2>&1
     echo "gpu_checks exit $?"; tail -3 "$OUT/gpu_checks_console.txt"
 fi
-python3 -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_gpt.py --data-path data/proxy \
+timeout ${TRAIN_TIMEOUT:-560} python3 -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train_gpt.py --data-path data/proxy \
     --num-scheduled-iterations 90 --num-extension-iterations 6 --val-loss-every 30 \
     --val-batch-size 524288 --val-tokens 1572864 --log-dir "$OUT" "$@" 2>&1 | tee "$OUT/train_console.txt" | grep -vE '^step:[0-9]+/96 train_time' 
 echo "train exit ${PIPESTATUS[0]}"

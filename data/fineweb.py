@@ -33,7 +33,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 # Use the repo's own copy of the GPT-2 BPE files: tokenizing never needs the network (see tiktoken_cache/README.md).
-os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(HERE / "tiktoken_cache"))
+# A TIKTOKEN_CACHE_DIR from the environment is kept only if it really holds them (an empty or foreign cache
+# would make tiktoken try to download, which hangs on offline machines).
+_BPE_FILES = ("6d1cbeee0f20b3d9449abfede4726ed8212e3aee", "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6")
+if not all((Path(os.environ.get("TIKTOKEN_CACHE_DIR", "/nonexistent")) / f).is_file() for f in _BPE_FILES):
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(HERE / "tiktoken_cache")
 
 import numpy as np  # noqa: E402
 
@@ -210,10 +214,23 @@ _ENC = None
 _MAIN_PID = os.getpid()
 
 
-def _init_worker():
+def _load_encoding():
+    """Load GPT-2 BPE once in the parent, so a broken tokenizer is one clear error, not a pool of failing workers
+    (a Pool whose initializer raises respawns workers forever)."""
     global _ENC
-    import tiktoken
-    _ENC = tiktoken.get_encoding("gpt2")
+    if _ENC is None:
+        import tiktoken
+        try:
+            _ENC = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            raise BuildError(f"cannot load the GPT-2 tokenizer from {os.environ['TIKTOKEN_CACHE_DIR']}: "
+                             f"{type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _init_worker():
+    if _ENC is None:  # spawn start method: workers do not inherit the parent's encoder
+        import tiktoken
+        globals()["_ENC"] = tiktoken.get_encoding("gpt2")
     if os.getpid() != _MAIN_PID:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the main process
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # pool.terminate() must simply stop workers
@@ -354,6 +371,7 @@ def build(args) -> dict:
         bar = tqdm(unit=" docs", mininterval=0.5, smoothing=0.1, dynamic_ncols=True, disable=None)
         pool = None
         try:
+            _load_encoding()
             if args.workers > 1:
                 pool = multiprocessing.Pool(args.workers, initializer=_init_worker)
                 encode = lambda texts: pool.imap(_tokenize_or_marker, texts, chunksize=args.chunksize)  # noqa: E731
