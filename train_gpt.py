@@ -100,6 +100,7 @@ class Hyperparameters:
     attn_backend: str = "auto"            # auto | fa3 | varlen | reference
     compile: str = "auto"                 # auto (on for CUDA) | on | off
     log_dir: str = "logs"
+    profile_step: int = -1                # >= 0: profile that training step, write <log_dir>/<run_id>_profile.txt
     smoke: bool = False                   # tiny preset for CPUs and tests (see SMOKE_PRESET)
 
     @property
@@ -1005,10 +1006,80 @@ class Trainer:
             settings = (bs, a.train_max_seq_len, self.grad_accum_steps) if bs != previous_bs else None
             previous_bs = bs
             self.set_schedules(step)
-            self.train_step(step, batches, settings, ws_short, ws_long, self.grad_accum_steps)
+            if step == a.profile_step:
+                self.profile_step(step, batches, settings, ws_short, ws_long)
+            else:
+                self.train_step(step, batches, settings, ws_short, ws_long, self.grad_accum_steps)
             approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
             log(f"step:{step + 1}/{total} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
         return total
+
+
+    def profile_step(self, step, batches, settings, ws_short, ws_long):
+        """One training step under torch.profiler (diagnostics: the step's time includes profiler overhead)."""
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        synchronize(self.device)
+        with profile(activities=activities) as prof:
+            self.train_step(step, batches, settings, ws_short, ws_long, self.grad_accum_steps)
+            synchronize(self.device)
+        if self.log.master:
+            path = self.log.path.with_name(self.log.path.stem + "_profile.txt")
+            path.write_text(summarize_profile(prof, f"step {step}, world size {self.world_size}"))
+            self.console(f"profile of step {step} written to {path}")
+
+
+def _union_length(intervals) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _intersection_length(a_intervals, b_intervals) -> float:
+    return _union_length(a_intervals) + _union_length(b_intervals) - _union_length(a_intervals + b_intervals)
+
+
+def summarize_profile(prof, title: str) -> str:
+    """Communication vs compute on the GPU timeline of one step: busy time of each, their overlap, and the
+    start/duration of every NCCL kernel relative to the first kernel of the step."""
+    kernels = [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()
+               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    if not kernels:
+        return f"profile ({title}): no GPU kernels recorded\n"
+    t0 = min(k[1] for k in kernels)
+    comm = [(a, b) for n, a, b in kernels if "nccl" in n.lower()]
+    compute = [(a, b) for n, a, b in kernels if "nccl" not in n.lower()]
+    span = max(k[2] for k in kernels) - t0
+    out = [f"profile ({title}); times in ms from the step's first GPU kernel",
+           f"GPU span {span:.2f}  compute busy {_union_length(compute):.2f}  communication busy {_union_length(comm):.2f}  "
+           f"communication overlapped with compute {_intersection_length(comm, compute):.2f}",
+           "", "NCCL kernels: start  duration  overlapped-with-compute  name"]
+    for n, a, b in sorted((k for k in kernels if "nccl" in k[0].lower()), key=lambda k: k[1]):
+        out.append(f"  {a - t0:9.2f} {b - a:8.3f} {_intersection_length([(a, b)], compute):8.3f}  {n[:90]}")
+    totals = {}
+    for n, a, b in kernels:
+        c, t = totals.get(n, (0, 0.0))
+        totals[n] = (c + 1, t + b - a)
+    out += ["", "top kernels by GPU time: total_ms  calls  name"]
+    for n, (c, t) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:25]:
+        out.append(f"  {t:9.2f} {c:6d}  {n[:100]}")
+    return "\n".join(out) + "\n"
+
+
+def replicas_identical(model: nn.Module) -> bool:
+    """True when every rank holds bit-identical parameters (integer checksums of the raw bits, all-gathered)."""
+    sums = []
+    for p in model.parameters():
+        bits = p.detach().contiguous().view(torch.int16 if p.element_size() == 2 else torch.int32).long().flatten()
+        weights = torch.arange(1, bits.numel() + 1, device=bits.device) % 65521  # position-sensitive
+        sums += [bits.sum(), (bits * weights).sum()]
+    local = torch.stack(sums)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
 def synchronize(device: str):
@@ -1148,6 +1219,9 @@ def run(args: Hyperparameters) -> None:
     log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
         f"{time.time() - PROCESS_START:.1f}s)")
     step = trainer.train()
+    if dist.is_initialized() and world_size > 1:
+        same = replicas_identical(model)
+        log(f"replica check: parameters {'bit-identical' if same else 'DIFFER'} across {world_size} ranks")
     log(peak_memory_line(device))
     if args.save_checkpoint and master:
         path = Path(args.log_dir) / run_id / f"state_step{step:06d}.pt"
