@@ -208,9 +208,6 @@ def test_error_truncated_shard(tmp_path, good_data):
     assert_one_line_error(r, str(bad), "truncated")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG train_gpt.py read_shard_header: a shard shorter than its 1024-byte header whose size is not a "
-    "multiple of 4 makes np.frombuffer raise ValueError, which main() does not catch -> traceback"))
 def test_error_shard_shorter_than_header_odd_size(tmp_path, good_data):
     data = copy_data(good_data, tmp_path / "d")
     bad = data / "fineweb_train_000001.bin"

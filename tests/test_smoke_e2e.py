@@ -93,8 +93,10 @@ def parse_run(log: str):
     body = lines[start:]
     assert body[-1] == ""  # the file ends with a newline
     body = body[:-1]
+    # 2 ranks: the end-of-run checksum comparison sits just before the peak-memory line
+    assert body[-2] == "replica check: parameters bit-identical across 2 ranks", body[-2]
     events = []
-    for ln in body[:-1]:
+    for ln in body[:-2]:
         m = VAL_RE.match(ln)
         if m:
             events.append(("val", int(m[1]), float(m[2]), int(m[3]), float(m[4])))
