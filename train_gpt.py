@@ -269,12 +269,14 @@ def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
 if triton is not None:
 
     @triton.jit
-    def _xxt_kernel(X, C, M, K,
-                    s_xb, s_xm, s_xk, s_cb, s_cm, s_cn,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN: tl.constexpr, IEEE: tl.constexpr):
-        # C[b] = X[b] X[b]ᵀ; program (pid, b) owns output tile (i, j) = divmod(pid, T); only j <= i is computed,
-        # stored at (i, j) and transposed at (j, i).  fp32 accumulation, result cast to C's dtype.
+    def _sym_gram_kernel(X, C, M, K, alpha, beta,
+                         s_xb, s_xm, s_xk, s_cb, s_cm, s_cn,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN: tl.constexpr, IEEE: tl.constexpr, ADD_X: tl.constexpr):
+        # ns_line_1 (ADD_X=False): C[b] = X[b] X[b]ᵀ.
+        # ns_line_2 (ADD_X=True):  C[b] = alpha·X[b]X[b]ᵀ + beta·X[b] for square symmetric X (= c·A·A + b·A,
+        # since A·A = A·Aᵀ). Either way C is symmetric: program (pid, b) owns output tile (i, j) = divmod(pid, T),
+        # only j <= i is computed, stored at (i, j) and transposed at (j, i).  fp32 accumulation.
         pid = tl.program_id(0)
         bid = tl.program_id(1).to(tl.int64)
         T = tl.cdiv(M, BLOCK_M)
@@ -304,53 +306,11 @@ if triton is not None:
                 acc = tl.dot(a, b, acc)
             a_ptr += BLOCK_K * s_xk
             b_ptr += BLOCK_K * s_xk
+        mask = (rows[:, None] < M) & (cols[None, :] < M)
+        if ADD_X:
+            x_tile = tl.load(X + rows[:, None] * s_xm + cols[None, :] * s_xk, mask=mask, other=0.0)
+            acc = tl.cast(alpha, tl.float32) * acc + tl.cast(beta, tl.float32) * x_tile.to(tl.float32)  # fp64 under inductor
         out = acc.to(C.dtype.element_ty)
-        mask = (rows[:, None] < M) & (cols[None, :] < M)
-        tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_cn, out, mask=mask)
-        if tj < ti:
-            tl.store(C + cols[:, None] * s_cm + rows[None, :] * s_cn, tl.trans(out),
-                     mask=(cols[:, None] < M) & (rows[None, :] < M))
-
-    @triton.jit
-    def _ba_plus_caa_kernel(A, C, M, beta, alpha,
-                            s_ab, s_am, s_an, s_cb, s_cm, s_cn,
-                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                            EVEN: tl.constexpr, IEEE: tl.constexpr):
-        # C[b] = beta·A[b] + alpha·A[b]A[b] for symmetric A: A·A = A·Aᵀ, so the xxt tiling applies and the result
-        # is symmetric; the A tile (i, j) is loaded once per computed tile and added in fp32 before the cast.
-        pid = tl.program_id(0)
-        bid = tl.program_id(1).to(tl.int64)
-        T = tl.cdiv(M, BLOCK_M)
-        ti = pid // T
-        tj = pid % T
-        if tj > ti:
-            return
-        A += bid * s_ab
-        C += bid * s_cb
-        rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tj * BLOCK_M + tl.arange(0, BLOCK_M)
-        offk = tl.arange(0, BLOCK_K)
-        a_ptr = A + rows[:, None] * s_am + offk[None, :] * s_an
-        b_ptr = A + cols[None, :] * s_am + offk[:, None] * s_an
-        acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, M, BLOCK_K):
-            if EVEN:
-                a = tl.load(a_ptr)
-                b = tl.load(b_ptr)
-            else:
-                kk = k0 + offk
-                a = tl.load(a_ptr, mask=(rows[:, None] < M) & (kk[None, :] < M), other=0.0)
-                b = tl.load(b_ptr, mask=(cols[None, :] < M) & (kk[:, None] < M), other=0.0)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            a_ptr += BLOCK_K * s_an
-            b_ptr += BLOCK_K * s_an
-        mask = (rows[:, None] < M) & (cols[None, :] < M)
-        a_tile = tl.load(A + rows[:, None] * s_am + cols[None, :] * s_an, mask=mask, other=0.0)
-        out = tl.cast(alpha, tl.float32) * acc + tl.cast(beta, tl.float32) * a_tile.to(tl.float32)   # fp64 under inductor
-        out = out.to(C.dtype.element_ty)
         tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_cn, out, mask=mask)
         if tj < ti:
             tl.store(C + cols[:, None] * s_cm + rows[None, :] * s_cn, tl.trans(out),
@@ -420,9 +380,9 @@ def xxt(X: Tensor, out: Tensor = None) -> Tensor:
     cfg = kernel_config("xxt", n, m, k, X.dtype)
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     t = triton.cdiv(m, bm)
-    _xxt_kernel[(t * t, n)](
-        X3, C3, m, k, X3.stride(0), X3.stride(1), X3.stride(2), C3.stride(0), C3.stride(1), C3.stride(2),
-        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bk == 0), IEEE=(X.dtype == torch.float32),
+    _sym_gram_kernel[(t * t, n)](
+        X3, C3, m, k, 1.0, 0.0, X3.stride(0), X3.stride(1), X3.stride(2), C3.stride(0), C3.stride(1), C3.stride(2),
+        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bk == 0), IEEE=(X.dtype == torch.float32), ADD_X=False,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -438,10 +398,10 @@ def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None) -> Tensor:
     cfg = kernel_config("ba_plus_cAA", n, m, m, A.dtype)
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     t = triton.cdiv(m, bm)
-    _ba_plus_caa_kernel[(t * t, n)](
-        A3, C3, m, float(b), float(c),
+    _sym_gram_kernel[(t * t, n)](
+        A3, C3, m, m, float(c), float(b),
         A3.stride(0), A3.stride(1), A3.stride(2), C3.stride(0), C3.stride(1), C3.stride(2),
-        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and m % bk == 0), IEEE=(A.dtype == torch.float32),
+        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and m % bk == 0), IEEE=(A.dtype == torch.float32), ADD_X=True,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
