@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 import numpy as np
 import pytest
 
@@ -263,3 +265,13 @@ def test_error_gpu_attention_backend_on_cpu(tmp_path, good_data):
 def test_error_compile_with_reference_attention(tmp_path, good_data):
     r = run_script(smoke_args(good_data, tmp_path, "--compile", "on"), cwd=tmp_path)
     assert_one_line_error(r, "reference attention")
+
+
+def test_save_checkpoint_writes_final_state(tmp_path, good_data):
+    r = run_script(smoke_args(good_data, tmp_path, "--num-scheduled-iterations", "3", "--num-extension-iterations", "1",
+                              "--val-loss-every", "0", "--warmup-steps-per-stage", "1", "--save-checkpoint",
+                              "--run-id", "ck"), cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    state = torch.load(tmp_path / "logs" / "ck" / "state_step000004.pt", weights_only=False)
+    assert state["step"] == 4 and state["code"] == (REPO / "train_gpt.py").read_text()
+    assert "scalars" in state["model"] and len(state["optimizers"]) == 2
