@@ -375,16 +375,7 @@ def xxt(X: Tensor, out: Tensor = None) -> Tensor:
         out = X.new_empty(*X.shape[:-1], X.size(-2))
     if not _kernels_usable(X):
         return torch.matmul(X, X.mT, out=out)
-    X3, C3 = _as_batched(X), _as_batched(out)
-    n, m, k = X3.shape
-    cfg = kernel_config("xxt", n, m, k, X.dtype)
-    bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
-    t = triton.cdiv(m, bm)
-    _sym_gram_kernel[(t * t, n)](
-        X3, C3, m, k, 1.0, 0.0, X3.stride(0), X3.stride(1), X3.stride(2), C3.stride(0), C3.stride(1), C3.stride(2),
-        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bk == 0), IEEE=(X.dtype == torch.float32), ADD_X=False,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out
+    return _launch_sym_gram("xxt", X, out, 1.0, 0.0, add_x=False)
 
 
 def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None) -> Tensor:
@@ -393,15 +384,18 @@ def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None) -> Tensor:
         out = torch.empty_like(A)
     if not _kernels_usable(A):
         return torch.add(torch.mul(A, b), torch.matmul(A, A), alpha=c, out=out)
-    A3, C3 = _as_batched(A), _as_batched(out)
-    n, m, _ = A3.shape
-    cfg = kernel_config("ba_plus_cAA", n, m, m, A.dtype)
+    return _launch_sym_gram("ba_plus_cAA", A, out, float(c), float(b), add_x=True)
+
+
+def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: float, add_x: bool) -> Tensor:
+    X3, C3 = _as_batched(X), _as_batched(out)
+    n, m, k = X3.shape
+    cfg = kernel_config(kind, n, m, k, X.dtype)
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     t = triton.cdiv(m, bm)
     _sym_gram_kernel[(t * t, n)](
-        A3, C3, m, m, float(c), float(b),
-        A3.stride(0), A3.stride(1), A3.stride(2), C3.stride(0), C3.stride(1), C3.stride(2),
-        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and m % bk == 0), IEEE=(A.dtype == torch.float32), ADD_X=True,
+        X3, C3, m, k, alpha, beta, X3.stride(0), X3.stride(1), X3.stride(2), C3.stride(0), C3.stride(1), C3.stride(2),
+        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bk == 0), IEEE=(X.dtype == torch.float32), ADD_X=add_x,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
