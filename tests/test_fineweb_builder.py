@@ -282,3 +282,16 @@ def test_bad_options():
         fineweb.parse_args(["--input", "x.jsonl", "--out-dir", "o", "--shard-size", "0"])
     with pytest.raises(SystemExit):
         fineweb.parse_args(["--input", "x.jsonl", "--version", "10B"])
+
+
+def test_foreign_empty_tiktoken_cache_falls_back_to_the_repo_copy(tmp_path):
+    # Seen on the GPU machines: the image sets TIKTOKEN_CACHE_DIR to a folder without the GPT-2 files, and
+    # tiktoken would then try (and, offline, hang trying) to download them.
+    (tmp_path / "empty_cache").mkdir()
+    train = write_jsonl(tmp_path / "train.jsonl", DOCS)
+    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"), "HTTPS_PROXY": "http://127.0.0.1:9"}
+    r = subprocess.run([sys.executable, str(SCRIPT), "--input", str(train), "--out-dir", str(tmp_path / "out"),
+                        "--shard-size", "50"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    np.testing.assert_array_equal(load_data_shard(tmp_path / "out" / "fineweb_val_000000.bin").numpy(), stream(DOCS)[:50])
+    assert not list((tmp_path / "empty_cache").iterdir())
