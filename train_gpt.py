@@ -185,14 +185,15 @@ def validate_args(args: Hyperparameters):
 # ---- Polar Express / Turbo-Muon orthogonalization (SPEC §6.2, §6.4) ----------------------------------------
 #
 # polar_express(G) maps each matrix of a batch G (..., rows, cols) to an approximation of its polar factor U Vᵀ
-# (G = U Σ Vᵀ) with a fixed odd-polynomial iteration.  On CUDA it runs in bf16 through three Triton kernels that
-# exploit symmetry; everywhere else (CPU, tiny matrices, no triton) the same loop runs on torch matmuls.
+# (G = U Σ Vᵀ) with a fixed odd-polynomial iteration.  On CUDA it runs in bf16 through Triton kernels that exploit
+# symmetry (ns_line_1 and ns_line_2 share one kernel, _sym_gram_kernel); everywhere else (CPU, tiny matrices,
+# no triton) the same loop runs on torch matmuls.
 #
 #   iteration:   A = X Xᵀ            ns_line_1  xxt          (symmetric: lower tiles only, mirrored)
 #                B = b·A + c·A·A     ns_line_2  ba_plus_cAA  (A symmetric, so A·A = A·Aᵀ: same scheme)
 #                X ← a·X + B·X       ns_line_3  ax_plus_bx   (accumulator starts at a·X; no baddbmm copy)
 #
-# Checked once on an H100 (torch 2.11, triton 3.6): kernels match float64 to bf16 rounding (rel. 1.4e-3..2.0e-3)
+# Checked once on an H100 (torch 2.11, triton 3.6; before ns_line_1/2 were merged into one kernel): kernels match float64 to bf16 rounding (rel. 1.4e-3..2.0e-3)
 # on contiguous, transposed, 2-D, broadcast-B and ragged shapes; torch.compile(fullgraph=True) captures the kernel
 # launches (first compile 4-13 s per shape).  GPU time per call (CUDA graph), kernels vs torch matmuls, polar/turbo:
 # (8,768,768) 280/229 vs 305/247 us; (40,768,768) 1170/971 vs 1519/1244; (22,3072,768) 1889/1457 vs 2361/1845.
