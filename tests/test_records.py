@@ -442,8 +442,13 @@ def test_new_appends_to_the_real_records_readme(tmp_path, capsys):
     lines = (recs / "README.md").read_text().splitlines()
     h = lines.index(rc.TABLE_HEADER)
     assert lines[h + 1] == rc.TABLE_RULE
-    assert "[2026-02-01_first]" in lines[h + 2] and "[2026-02-02_second]" in lines[h + 3]
-    assert lines[h + 4] == ""
+    orig_lines = original.splitlines()
+    oh = orig_lines.index(rc.TABLE_HEADER)
+    existing = next(i for i in range(oh + 2, len(orig_lines) + 1)
+                    if i == len(orig_lines) or not orig_lines[i].startswith("|")) - (oh + 2)
+    end = h + 2 + existing  # new rows go after the records already in the table, in order
+    assert "[2026-02-01_first]" in lines[end] and "[2026-02-02_second]" in lines[end + 1]
+    assert lines[end + 2] == ""
     # everything else in the file is unchanged
     assert [ln for ln in lines if "2026-02-0" not in ln] == original.splitlines()
 
