@@ -7,7 +7,7 @@ then the tokens as little-endian uint16. Every document is preceded by the BOS t
     synthetic_documents(n, ...)                        random documents (lists of token ids)
     patterned_documents(n, ...)                        documents made of a few repeated n-grams (learnable)
     build_shards(folder, ...)                          train + val shards from synthetic documents
-    real_text_documents(max_docs)                      optional: /work/shared/corpus/val.jsonl.xz via tiktoken
+    real_text_documents(max_docs)                      optional: ../shared/corpus/val.jsonl.xz (beside the repo) via tiktoken
 """
 import json
 import lzma
@@ -105,7 +105,8 @@ def build_shards(folder, train_shards: int = 2, tokens_per_train_shard: int = 10
 
 def real_text_documents(max_docs: int = 200, path=None):
     """Tokenized real documents from the shared corpus, or None where it (or tiktoken) is unavailable."""
-    path = Path(path or os.environ.get("SPEEDRUN_CORPUS", "/work/shared/corpus/val.jsonl.xz"))
+    default = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "val.jsonl.xz"  # ../shared beside the repo
+    path = Path(path or os.environ.get("SPEEDRUN_CORPUS", default))
     if not path.exists():
         return None
     try:
