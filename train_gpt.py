@@ -1823,6 +1823,7 @@ def run(args: Hyperparameters) -> None:
     device = pick_device(args)
     backend = resolve_attention_backend(args.attn_backend, device)
     use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
+    use_fp8 = device == "cuda" and not os.environ.get("DISABLE_FP8")
     if use_compile and backend == "reference":
         raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
     train_files, val_file = find_data(args, world_size, grad_accum_steps)
@@ -1840,7 +1841,7 @@ def run(args: Hyperparameters) -> None:
     log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
     gpu_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     log(f'Run config: world_size={world_size} grad_accum_steps={grad_accum_steps} device={device} '
-        f'attn_backend={backend} orthogonalizer={args.orthogonalizer} fp8={int(device == "cuda" and not os.environ.get("DISABLE_FP8"))} '
+        f'attn_backend={backend} orthogonalizer={args.orthogonalizer} fp8={int(use_fp8)} '
         f'compile={int(use_compile)} data_path={args.data_path} train_epochs={args.train_epochs} '
         f'seed={args.seed} gpu_name="{gpu_name}"', console=False)
     if args.train_epochs > 1:
@@ -1853,7 +1854,7 @@ def run(args: Hyperparameters) -> None:
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // (grad_accum_steps * world_size)
     model = GPT(args, max_seq_len=max_seq_len, world_size=world_size).to(device)
     model.attn_fn = ATTENTION_BACKENDS[backend]
-    model.use_fp8 = device == "cuda" and not os.environ.get("DISABLE_FP8")
+    model.use_fp8 = use_fp8
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)
