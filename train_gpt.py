@@ -20,6 +20,7 @@ import os
 os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -101,6 +102,7 @@ class Hyperparameters:
     compile: str = "auto"                 # auto (on for CUDA) | on | off
     log_dir: str = "logs"
     profile_step: int = -1                # >= 0: profile that training step, write <log_dir>/<run_id>_profile.txt
+    fail_on_recompile: bool = True        # a torch.compile inside the timed loop raises (the warm-up missed a graph)
     smoke: bool = False                   # tiny preset for CPUs and tests (see SMOKE_PRESET)
 
     @property
@@ -525,22 +527,24 @@ def _(x, w, x_s, w_s, grad_s):
 
 
 @torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
-def fp8_mm_backward(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    g_f8 = g.contiguous().div(grad_s).to(torch.float8_e5m2)
-    # _scaled_mm wants a row-major first operand and a column-major second one.
-    grad_x = torch._scaled_mm(g_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16,
-                              scale_a=_scale_tensor(grad_s, g), scale_b=_scale_tensor(w_s, g), use_fast_accum=False)
+def fp8_mm_backward(g_f8: Tensor, g_f8_t: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float,
+                    grad_s: float) -> tuple[Tensor, Tensor]:
+    """dX and dW from operands already quantised and transposed (`*_t` are contiguous transposes):
+    _scaled_mm wants a row-major first operand and a column-major second one."""
+    grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16,
+                              scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(w_s, g_f8), use_fast_accum=False)
     # dW computed as (768 x vocab) then transposed: measured faster upstream for this shape.
-    grad_w = torch._scaled_mm(x_f8.T.contiguous(), g_f8.T.contiguous().T, out_dtype=torch.float32,
-                              scale_a=_scale_tensor(x_s, g), scale_b=_scale_tensor(grad_s, g), use_fast_accum=False).T
+    grad_w = torch._scaled_mm(x_f8_t, g_f8_t.T, out_dtype=torch.float32,
+                              scale_a=_scale_tensor(x_s, g_f8), scale_b=_scale_tensor(grad_s, g_f8),
+                              use_fast_accum=False).T
     return grad_x, grad_w
 
 
 @fp8_mm_backward.register_fake
-def _(g, x_f8, w_f8, x_s, w_s, grad_s):
+def _(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
     # grad_w is the transpose of a contiguous (768, vocab) result: same strides as the real kernel's output.
-    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16),
-            w_f8.new_empty((w_f8.size(1), w_f8.size(0)), dtype=torch.float32).T)
+    return (g_f8.new_empty((g_f8.size(0), w_f8_t.size(0)), dtype=torch.bfloat16),
+            g_f8.new_empty((x_f8_t.size(0), g_f8_t.size(0)), dtype=torch.float32).T)
 
 
 def _fp8_mm_setup_context(ctx, inputs, output):
@@ -553,7 +557,15 @@ def _fp8_mm_setup_context(ctx, inputs, output):
 
 def _fp8_mm_backward_rule(ctx, grad_out, *_):
     x_f8, w_f8 = ctx.saved_tensors
-    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(grad_out, x_f8, w_f8, *ctx.scales)
+    x_s, w_s, grad_s = ctx.scales
+    # Quantise and transpose here, outside the opaque op: this rule is traced into the compiled backward graph,
+    # so Inductor fuses the e5m2 cast into the kernel that produces grad_out (the softcap/cross-entropy backward)
+    # and emits tiled transposes. Done eagerly inside the op, these passes over the (T, 50304) gradient cost
+    # about a fifth of a stage-3 step (profile of 2026-11-22).
+    # (.float(): one rounding, fp32 -> e5m2, the same in eager and compiled mode; free once fused)
+    g_f8 = grad_out.float().div(grad_s).to(torch.float8_e5m2)
+    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(g_f8, g_f8.t().contiguous(), x_f8.t().contiguous(),
+                                                        w_f8.t().contiguous(), x_s, w_s, grad_s)
     return grad_x, grad_w, None, None, None
 
 
@@ -810,6 +822,17 @@ class NorMuon(torch.optim.Optimizer):
         return loss
 
 
+def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor,
+                beta1: float, beta2: float, eps: float) -> None:
+    """One bias-corrected Adam step on a param slice, in place; step_size = lr*sqrt(1-b2^t)/(1-b1^t) arrives as a
+    0-D CPU tensor so a compiled version does not recompile as it changes. Compiled, it is one fused kernel per
+    param instead of seven passes over 38.6M-element tensors."""
+    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    # fp32 arithmetic and one rounding into p's dtype (what addcdiv_ does eagerly)
+    p.copy_(p.float() - step_size * (exp_avg.float() / (exp_avg_sq.float().sqrt() + eps)))
+
+
 class DistAdam(torch.optim.Optimizer):
     """ZeRO-1 Adam: every param is split along dim 0 into W equal slices; rank r keeps the Adam state of, and
     updates, rows [r*n/W, (r+1)*n/W), then all-gathers the param.
@@ -846,7 +869,14 @@ class DistAdam(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.should_sync = False
         self._pending = {}  # param -> (async work, averaged grad slice)
+        self._update_fn = adam_update
+        self._step_size = torch.zeros((), dtype=torch.float32)  # CPU scalar fed to the (compiled) update
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in params]
+
+    def compile_helpers(self, enabled: bool = True):
+        """Route the per-param update through torch.compile(dynamic=False) (CUDA), as the record does."""
+        self._update_fn = torch.compile(adam_update, dynamic=False, fullgraph=True) if enabled else adam_update
+        return self
 
     def _slice_rows(self, p: Tensor) -> tuple[int, int]:
         rows = p.shape[0] // self.world_size
@@ -894,11 +924,8 @@ class DistAdam(torch.optim.Optimizer):
                     p_slice.mul_(1.0 - lr_p * wd * float(getattr(p, "wd_mul", 1.0)))
                 state["step"] += 1
                 t = state["step"]
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-                step_size = lr_p * math.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t)
-                p_slice.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(eps), value=-step_size)
+                self._step_size.fill_(lr_p * math.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t))
+                self._update_fn(p_slice, g, state["exp_avg"], state["exp_avg_sq"], self._step_size, beta1, beta2, eps)
                 if distributed:
                     gathers.append(dist.all_gather_into_tensor(p, p_slice, async_op=True))
         for work in gathers:
@@ -1123,9 +1150,22 @@ class GPT(nn.Module):
         tag(self.scalars, "scalars", 5.0)
         self.attn_fn = attention_reference
         self.use_fp8 = False
+        self._trunk = self._head = None  # compiled regions, set by compile_regions()
+
+    def compile_regions(self, **options):
+        """torch.compile the trunk and the head as two regions (same options as one whole-model compile).
+        Two regions mean two backward graphs: the head's finishes first, so lm_head's gradient hook (DistAdam's
+        biggest reduce-scatter) fires while the trunk's backward is still computing instead of after it."""
+        self._trunk = torch.compile(self.trunk, **options)
+        self._head = torch.compile(self.head, **options)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
                 max_seqlen: int) -> Tensor:
+        trunk, head = self._trunk or self.trunk, self._head or self.head
+        return head(trunk(input_seq, cu_seqlens, ws_short, ws_long, max_seqlen), target_seq)
+
+    def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int, max_seqlen: int) -> Tensor:
+        """Embeddings and blocks: returns the normalised final hidden state (T, d)."""
         L = len(self.blocks)
         skip_w = self.scalars[:L]
         lambdas = self.scalars[L:3 * L].view(L, 2)
@@ -1154,7 +1194,10 @@ class GPT(nn.Module):
                 skip = x
             if i == self.BACKOUT_FROM:
                 backout = x
-        x = norm(x - backout_lambda * backout)
+        return norm(x - backout_lambda * backout)
+
+    def head(self, x: Tensor, target_seq: Tensor) -> Tensor:
+        """lm_head, softcap and cross-entropy: summed over tokens in training, mean in eval."""
         if self.training and self.use_fp8:
             logits = lm_head_fp8(x, self.lm_head.weight)
         else:
@@ -1525,8 +1568,7 @@ def optimizer_step(step: int, model: nn.Module, adam, muon):
 @dataclass
 class Trainer:
     args: Hyperparameters
-    model: GPT                 # the module (state, yarn)
-    forward: object            # the compiled (or plain) callable
+    model: GPT                 # compiled per region (GPT.compile_regions) or plain
     adam: object
     muon: object
     train_files: list
@@ -1553,7 +1595,7 @@ class Trainer:
             if step % 2 == 1 and micro == micro_batches - 1:
                 self.adam.should_sync = True  # the post-accumulate hooks launch Adam's reduce-scatters
             inputs, targets, cu_seqlens = batches.get(settings if micro == 0 else None)
-            loss = self.forward(inputs, targets, cu_seqlens, ws_short, ws_long, self.args.train_max_seq_len)
+            loss = self.model(inputs, targets, cu_seqlens, ws_short, ws_long, self.args.train_max_seq_len)
             (loss / micro_batches).backward()
         optimizer_step(step, self.model, self.adam, self.muon)
 
@@ -1574,7 +1616,7 @@ class Trainer:
         for inputs, targets, cu_seqlens in validation_batches(self.val_file, a.val_batch_size, a.val_tokens,
                                                               self.grad_accum_steps, self.rank, self.world_size,
                                                               self.device):
-            total += self.forward(inputs, targets, cu_seqlens, ws_short, ws_long, num_tokens)
+            total += self.model(inputs, targets, cu_seqlens, ws_short, ws_long, num_tokens)
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 break
@@ -1625,6 +1667,10 @@ class Trainer:
         del batches
 
     def train(self):
+        with no_compiles_allowed(self.args.fail_on_recompile):
+            return self._timed_loop()
+
+    def _timed_loop(self):
         a, log = self.args, self.log
         total = a.num_iterations
         batches = self.new_batches(get_bs(0, a))
@@ -1676,6 +1722,12 @@ class Trainer:
             path = self.log.path.with_name(self.log.path.stem + "_profile.txt")
             path.write_text(summarize_profile(prof, f"step {step}, world size {self.world_size}"))
             self.console(f"profile of step {step} written to {path}")
+
+
+def no_compiles_allowed(enabled: bool = True):
+    """Context in which any torch.compile (re)compilation raises instead of silently spending tens of seconds:
+    every graph the timed loop needs must have been compiled by the warm-up."""
+    return torch.compiler.set_stance("fail_on_recompile") if enabled else contextlib.nullcontext()
 
 
 def _union_length(intervals) -> float:
@@ -1814,6 +1866,26 @@ def setup_process_group(device: str, rank: int, world_size: int, local_rank: int
     return device
 
 
+def build_model_and_optimizers(args: Hyperparameters, device: str, world_size: int, backend: str,
+                               use_compile: bool, use_fp8: bool):
+    """The model (rank 0's initialisation on every rank, compiled per region) and its two optimizers."""
+    grad_accum_steps = grad_accum_steps_for(world_size)
+    max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // (grad_accum_steps * world_size)
+    model = GPT(args, max_seq_len=max_seq_len, world_size=world_size).to(device)
+    model.attn_fn = ATTENTION_BACKENDS[backend]
+    model.use_fp8 = use_fp8
+    if dist.is_initialized():
+        for p in model.parameters():  # every rank starts from rank 0's initialisation
+            dist.broadcast(p.detach(), 0)
+    if use_compile:
+        model.compile_regions(dynamic=False, fullgraph=True)
+    adam, muon = build_optimizers(model, args)
+    if use_compile:
+        muon.compile_helpers()
+        adam.compile_helpers()
+    return model, adam, muon
+
+
 def run(args: Hyperparameters) -> None:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -1851,18 +1923,8 @@ def run(args: Hyperparameters) -> None:
 
     if args.seed >= 0:
         torch.manual_seed(args.seed)
-    max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // (grad_accum_steps * world_size)
-    model = GPT(args, max_seq_len=max_seq_len, world_size=world_size).to(device)
-    model.attn_fn = ATTENTION_BACKENDS[backend]
-    model.use_fp8 = use_fp8
-    if dist.is_initialized():
-        for p in model.parameters():  # every rank starts from rank 0's initialisation
-            dist.broadcast(p.detach(), 0)
-    forward = torch.compile(model, dynamic=False, fullgraph=True) if use_compile else model
-    adam, muon = build_optimizers(model, args)
-    if use_compile:
-        muon.compile_helpers()
-    trainer = Trainer(args, model, forward, adam, muon, train_files, val_file, rank, world_size,
+    model, adam, muon = build_model_and_optimizers(args, device, world_size, backend, use_compile, use_fp8)
+    trainer = Trainer(args, model, adam, muon, train_files, val_file, rank, world_size,
                       grad_accum_steps, device, log)
     t_warm = time.time()
     trainer.warm_up_kernels()

@@ -6,6 +6,7 @@ the unmodified trainer and must not hang.
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,6 +22,7 @@ if rank == fault_rank:
     def failing_train_step(self, step, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] > self.args.warmup_steps_per_stage * 4 and step == fault_step:  # a timed step, not warm-up
+            print(f"fault injected: rank {rank} {kind} at step {step}, unix time {time.time():.3f}", flush=True)
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise tg.ShardError(f"simulated corrupt shard seen by rank {rank} at step {step}")

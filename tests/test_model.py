@@ -324,3 +324,75 @@ def test_gpt_supports_module_apply():
     seen = []
     m.apply(lambda mod: seen.append(type(mod).__name__))
     assert "Yarn" in seen and "GPT" in seen
+
+
+def _value_passthrough_attention(q, k, v, cu_seqlens, max_seqlen, scale, window):
+    return v  # traceable stand-in: these tests are about graph structure, not attention
+
+
+def _compiled_backward_nodes(loss):
+    """Autograd nodes reachable from loss, in root-first BFS order, with their AccumulateGrad children."""
+    seen, order, queue = set(), [], [loss.grad_fn]
+    while queue:
+        node = queue.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        order.append(node)
+        queue.extend(fn for fn, _ in node.next_functions)
+    return [n for n in order if "CompiledFunction" in type(n).__name__]
+
+
+def test_compiled_regions_give_lm_head_its_own_backward_graph_that_runs_before_the_trunk():
+    """DistAdam's lm_head reduce-scatter can only overlap the trunk's backward if lm_head's gradient comes out of a
+    separate, earlier backward graph (a whole-model compile would release every gradient at the very end)."""
+    m = make_model(seed=4, max_seq_len=128)
+    with torch.no_grad():
+        m.lm_head.weight.normal_(0, 0.02)
+    m.attn_fn = _value_passthrough_attention
+    m.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
+    trunk_params = [p for n, p in m.named_parameters() if "lm_head" not in n]
+    seen_when_lm_head_ready = []
+    handle = m.lm_head.weight.register_post_accumulate_grad_hook(
+        lambda p: seen_when_lm_head_ready.append(sum(q.grad is not None for q in trunk_params)))
+    inputs, targets, cu = random_batch(128, seed=6)
+    loss = m(inputs, targets, cu, 1, 3, 128)
+    nodes = _compiled_backward_nodes(loss)
+    assert len(nodes) == 2, "expected one backward graph for the head and one for the trunk"
+    head_leaves = {id(fn.variable) for fn, _ in nodes[0].next_functions if hasattr(fn, "variable")}
+    assert id(m.lm_head.weight) in head_leaves and not head_leaves & {id(p) for p in trunk_params}
+    loss.backward()
+    handle.remove()
+    torch._dynamo.reset()
+    assert seen_when_lm_head_ready == [0]  # no trunk gradient existed yet when lm_head's hook fired
+    assert all(p.grad is not None for p in trunk_params)
+
+
+def test_compiled_regions_compute_the_same_loss_and_grads_as_eager():
+    eager, compiled = make_model(seed=5, max_seq_len=128), make_model(seed=5, max_seq_len=128)
+    for m in (eager, compiled):
+        with torch.no_grad():
+            m.lm_head.weight.copy_(torch.randn(m.lm_head.weight.shape, generator=torch.Generator().manual_seed(1))
+                                   .mul(0.02).bfloat16())
+        m.attn_fn = _value_passthrough_attention
+    compiled.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
+    inputs, targets, cu = random_batch(128, seed=7)
+    losses = [m(inputs, targets, cu, 1, 3, 128) for m in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    torch._dynamo.reset()
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_no_compiles_allowed_raises_on_a_new_graph_and_lets_warmed_ones_run():
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False, fullgraph=True)
+    f(torch.ones(4))  # "warm-up"
+    with tg.no_compiles_allowed(True):
+        assert torch.equal(f(torch.ones(4)), torch.full((4,), 3.0))
+        with pytest.raises(RuntimeError, match="recompile"):
+            f(torch.ones(5))  # new shape: dynamic=False needs a new graph
+    with tg.no_compiles_allowed(False):
+        assert f(torch.ones(6)).shape == (6,)
+    torch._dynamo.reset()

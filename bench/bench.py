@@ -1,0 +1,339 @@
+"""Throughput benchmark (issue 4): one device call, one table, one JSON.
+
+    python bench/bench.py --out bench/results/<date>_<device>_bench.json [--steps 24] [--cached-start]
+
+World size 1, synthetic document-structured tokens (the loss is meaningless; the shapes, the data loader and
+every kernel are the real run's). Measures, in this order:
+  * cold start: process start -> end of the kernel warm-up (every train and eval graph compiled), i.e. the moment
+    the real script starts its timed loop; with --cached-start a second process measures it again with the
+    Inductor/Triton caches this one left behind
+  * per batch-size stage: median ms/step over --steps steps (CUDA-synchronised per step), tokens/s, MFU, peak memory.
+    The timed steps run under train_gpt.no_compiles_allowed(): any recompilation there aborts the benchmark
+  * NorMuon step alone, DistAdam step alone (same model, real gradients)
+  * the orthogonalizer alone on the real NorMuon stacks (their momentum buffers): Polar Express vs Turbo-Muon,
+    time and relative error against the float64 SVD polar factor
+  * one profiled stage-3 step: the top kernels and their share of the step (written beside the JSON)
+MFU counts 6 x (matmul parameters) FLOPs per token (attention's T^2 term excluded, like the reference figures)
+against the bf16 dense matmul peak measured here on a 8192^3 GEMM.
+"""
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import train_gpt as tg  # noqa: E402  (sets PROCESS_START at import: the benchmark's cold-start clock)
+
+REFERENCE_H100_MS = {1: 274.0, 2: 485.0, 3: 721.0}  # the December 2025 record script, issue 4's table
+
+
+# ---- synthetic data ----------------------------------------------------------------------------------------
+
+def document_lengths(num_tokens: int, rng: np.random.Generator, median: int = 600, max_len: int = 8192) -> list:
+    """Log-normal document lengths (web text has a long tail), clipped to [16, max_len], summing to num_tokens."""
+    lengths, total = [], 0
+    while total < num_tokens:
+        n = int(np.clip(rng.lognormal(np.log(median), 1.0), 16, max_len))
+        n = min(n, num_tokens - total)
+        lengths.append(n)
+        total += n
+    return lengths
+
+
+def synthetic_tokens(num_tokens: int, seed: int) -> np.ndarray:
+    """Random GPT-2 token ids in documents that each start with BOS."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, tg.BOS_ID, size=num_tokens, dtype=np.uint16)
+    starts = np.cumsum([0] + document_lengths(num_tokens, rng)[:-1])
+    tokens[starts] = tg.BOS_ID
+    return tokens
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> Path:
+    header = np.zeros(tg.HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = tg.SHARD_MAGIC, tg.SHARD_VERSION, len(tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    return path
+
+
+def make_synthetic_shards(folder: Path, train_tokens: int, val_tokens: int) -> Path:
+    """Train and val shards in the speedrun format (reused when already there with the right sizes)."""
+    specs = [(folder / "fineweb_train_000001.bin", train_tokens // 2, 1),
+             (folder / "fineweb_train_000002.bin", train_tokens - train_tokens // 2, 2),
+             (folder / "fineweb_val_000000.bin", val_tokens, 3)]
+    for path, n, seed in specs:
+        if not (path.exists() and path.stat().st_size == tg.HEADER_INTS * 4 + 2 * n):
+            write_shard(path, synthetic_tokens(n, seed))
+    return folder
+
+
+# ---- measurement helpers -----------------------------------------------------------------------------------
+
+def matmul_params(model: tg.GPT) -> int:
+    """Parameters that take part in a matmul per token: block matrices and lm_head (embeddings are lookups)."""
+    blocks = sum(p.numel() for n, p in model.blocks.named_parameters() if p.ndim >= 2)
+    return blocks + model.lm_head.weight.numel()
+
+
+def mfu(tokens_per_s: float, n_params: int, peak_flops: float) -> float:
+    return 6.0 * n_params * tokens_per_s / peak_flops
+
+
+def bf16_peak_flops(n: int = 8192) -> float:
+    import triton.testing
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
+def timed(fn, repeats: int) -> list:
+    """Wall time of each call in ms, synchronised around every call."""
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(1000 * (time.perf_counter() - t))
+    return out
+
+
+def polar_factor(G: Tensor) -> Tensor:
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return U @ Vh
+
+
+def relative_error(a: Tensor, b: Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def stage_table(args: tg.Hyperparameters) -> list:
+    """(name, global batch tokens, long window) for the three batch-size stages and the extension."""
+    rows = [(f"stage {i + 1}", bs, ws) for i, (bs, ws) in enumerate(zip(args.train_bs_schedule, args.ws_schedule))]
+    rows.append(("extension", args.train_bs_extension, args.ws_final))
+    return rows
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'stage':<10} {'tokens/step':>11} {'windows':>8} {'ms/step':>8} {'ref ms':>7} {'x ref':>6} "
+             f"{'tokens/s':>10} {'MFU':>6} {'peak alloc':>11}"]
+    for s in result["stages"]:
+        ref = s.get("reference_ms")
+        ratio = f"{s['median_ms'] / ref:.3f}" if ref else ""
+        lines.append(f"{s['name']:<10} {s['tokens_per_step']:>11,} {s['windows']:>8} {s['median_ms']:>8.1f} "
+                     f"{ref if ref else '':>7} {ratio:>6} "
+                     f"{s['tokens_per_s']:>10,.0f} {100 * s['mfu']:>5.1f}% {s['peak_allocated_gib']:>8.2f} GiB")
+    c = result["cold_start"]
+    lines.append(f"cold start (process start -> timed loop): {c['this_process_s']:.1f}s "
+                 f"(warm-up {c['warm_up_s']:.1f}s; Inductor cache {'present' if c['cache_present_at_start'] else 'empty'} "
+                 f"at start, {c['cache_mb_after']:.0f} MB after)"
+                 + (f"; with that cache: {c['cached_s']:.1f}s" if c.get("cached_s") is not None else ""))
+    o = result["optimizers"]
+    lines.append(f"NorMuon step alone {o['normuon_ms']:.2f} ms; DistAdam step alone {o['distadam_ms']:.2f} ms")
+    for name, row in result["orthogonalizer"].items():
+        lines.append(f"orthogonalizer {name}: polar {row['polar']['ms']:.3f} ms (err {row['polar']['polar_rel_err']:.3f}), "
+                     f"turbo {row['turbo']['ms']:.3f} ms (err {row['turbo']['polar_rel_err']:.3f})")
+    lines.append(f"MFU basis: 6 x {result['matmul_params'] / 1e6:.1f}M matmul params per token, "
+                 f"measured bf16 peak {result['bf16_peak_tflops']:.0f} TFLOP/s")
+    return "\n".join(lines)
+
+
+# ---- the benchmark -----------------------------------------------------------------------------------------
+
+def inductor_cache_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return Path(cache_dir())
+
+
+def folder_mb(path: Path) -> float:
+    if not path.exists():
+        return 0.0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2 ** 20
+
+
+def build_trainer(args: tg.Hyperparameters, log_dir: Path):
+    """The trainer exactly as run() builds it for one GPU (compiled, FP8 unless DISABLE_FP8)."""
+    tg.setup_process_group("cuda", 0, 1, 0)
+    torch._dynamo.config.recompile_limit = 64
+    torch.manual_seed(args.seed)
+    grad_accum = tg.grad_accum_steps_for(1)
+    train_files, val_file = tg.find_data(args, 1, grad_accum)
+    backend = tg.resolve_attention_backend(args.attn_backend, "cuda")
+    model, adam, muon = tg.build_model_and_optimizers(args, "cuda", 1, backend, use_compile=True,
+                                                      use_fp8=not os.environ.get("DISABLE_FP8"))
+    log = tg.Logger(log_dir / "bench_log.txt", True)
+    return tg.Trainer(args, model, adam, muon, train_files, val_file, 0, 1, grad_accum, "cuda", log)
+
+
+def measure_stages(trainer, args, steps: int, n_params: int, peak: float) -> list:
+    rows, previous_long, step = [], args.ws_schedule[0], 0
+    for name, bs, long in stage_table(args):
+        if long != previous_long:
+            trainer.model.yarn.apply(previous_long, long)
+            previous_long = long
+        batches = trainer.new_batches(bs)
+        torch.cuda.reset_peak_memory_stats()
+
+        def one_step():
+            nonlocal step
+            trainer.train_step(step, batches, None, long // 2, long, trainer.grad_accum_steps)
+            step += 1
+        with tg.no_compiles_allowed():
+            times = timed(one_step, steps + 2)[2:]  # the first two refill the loader's queue
+        ms = statistics.median(times)
+        stage_no = int(name.split()[-1]) if name.startswith("stage") else None
+        rows.append(dict(name=name, tokens_per_step=bs, windows=f"{long // 2},{long}", steps=len(times),
+                         median_ms=ms, mean_ms=statistics.fmean(times), min_ms=min(times), max_ms=max(times),
+                         tokens_per_s=bs / (ms / 1000), mfu=mfu(bs / (ms / 1000), n_params, peak),
+                         peak_allocated_gib=torch.cuda.max_memory_allocated() / 2 ** 30,
+                         peak_reserved_gib=torch.cuda.max_memory_reserved() / 2 ** 30,
+                         reference_ms=REFERENCE_H100_MS.get(stage_no)))
+        print(f"{name}: {ms:.1f} ms/step (median of {len(times)})", flush=True)
+    return rows
+
+
+def measure_optimizers(trainer, args, repeats: int = 20) -> dict:
+    """Each optimizer's step alone, on real gradients of one stage-3 micro-batch."""
+    bs, long = args.train_bs_schedule[-1], args.ws_schedule[-1]
+    batches = trainer.new_batches(bs)
+    inputs, targets, cu = batches.get()
+    trainer.model(inputs, targets, cu, long // 2, long, args.train_max_seq_len).backward()
+    trainer.adam.should_sync = False
+    with tg.no_compiles_allowed():
+        muon_ms = statistics.median(timed(trainer.muon.step, repeats))
+        adam_ms = statistics.median(timed(trainer.adam.step, repeats))
+    trainer.model.zero_grad(set_to_none=True)
+    return dict(normuon_ms=muon_ms, distadam_ms=adam_ms, repeats=repeats)
+
+
+def measure_orthogonalizer(muon, svd_matrices: int = 4) -> dict:
+    import triton.testing
+    results = {}
+    fns = {mode: torch.compile(lambda x, t=turbo: tg.polar_express(x, turbo=t), dynamic=False, fullgraph=True)
+           for mode, turbo in (("polar", False), ("turbo", True))}
+    for group, layout in zip(muon.param_groups, muon._layout):
+        buf = group.get("momentum_buffer")
+        if buf is None:
+            continue
+        n, rows, cols = buf.shape
+        G = buf.view(4 * n, rows // 4, cols) if layout["is_attn"] else buf
+        ref = polar_factor(G[:svd_matrices])
+        row = {}
+        for mode, fn in fns.items():
+            out = fn(G)
+            ms = triton.testing.do_bench(lambda: fn(G), warmup=10, rep=100, return_mode="median")
+            row[mode] = dict(ms=ms, polar_rel_err=relative_error(out[:svd_matrices], ref))
+        results[f"{group['label']} {'x'.join(map(str, G.shape))}"] = row
+    return results
+
+
+def measure_profile(trainer, args, out_path: Path) -> str:
+    bs, long = args.train_bs_schedule[-1], args.ws_schedule[-1]
+    batches = trainer.new_batches(bs)
+    trainer.train_step(0, batches, None, long // 2, long, trainer.grad_accum_steps)  # fill the loader
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trainer.train_step(1, batches, None, long // 2, long, trainer.grad_accum_steps)
+        torch.cuda.synchronize()
+    text = tg.summarize_profile(prof, "bench: stage-3 step (odd: NorMuon + DistAdam), world size 1")
+    out_path.write_text(text)
+    return text
+
+
+def bench_args(data_dir: Path, seed: int) -> tg.Hyperparameters:
+    """The record's hyperparameters; only the data (synthetic, cycled) and the val set (one batch) differ."""
+    defaults = tg.Hyperparameters()
+    return dataclasses.replace(defaults, data_path=str(data_dir), seed=seed, train_epochs=100,
+                               val_tokens=defaults.val_batch_size)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/bench.json")
+    ap.add_argument("--steps", type=int, default=24, help="timed steps per stage (median reported)")
+    ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "speedrun_bench_data"))
+    ap.add_argument("--cached-start", action="store_true",
+                    help="afterwards, measure the cold start again in a new process with this run's caches")
+    ap.add_argument("--cold-start-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--commit", default="", help="recorded in the JSON when .git is not available")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: bench.py needs a CUDA GPU (it times the real kernels)", file=sys.stderr)
+        return 2
+    cache = inductor_cache_dir()
+    cache_present = folder_mb(cache) > 1.0
+    args = bench_args(Path(a.data_dir), seed=1234)
+    make_synthetic_shards(Path(a.data_dir), train_tokens=60_000_000, val_tokens=args.val_batch_size + 1)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    trainer = build_trainer(args, out.parent)
+    t = time.time()
+    trainer.warm_up_kernels()
+    warm_up_s = time.time() - t
+    cold = dict(this_process_s=time.time() - tg.PROCESS_START, warm_up_s=warm_up_s,
+                cache_present_at_start=cache_present, cache_dir=str(cache), cache_mb_after=folder_mb(cache))
+    print(f"cold start {cold['this_process_s']:.1f}s (warm-up {warm_up_s:.1f}s)", flush=True)
+    if a.cold_start_only:
+        out.write_text(json.dumps(cold))
+        return 0
+
+    n_params = matmul_params(trainer.model)
+    peak = bf16_peak_flops()
+    result = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+        cuda=torch.version.cuda, python=platform.python_version(), commit=git_commit() or a.commit,
+        date=datetime.date.today().isoformat(), command=" ".join([Path(sys.executable).name, *sys.argv]),
+        world_size=1, data="synthetic document-structured tokens (log-normal lengths, median 600)",
+        matmul_params=n_params, bf16_peak_tflops=peak / 1e12,
+        attn_backend=tg.resolve_attention_backend("auto", "cuda"), fp8=not os.environ.get("DISABLE_FP8"))
+    result["cold_start"] = cold
+    result["timed_steps_recompiles"] = "none: every timed step ran under train_gpt.no_compiles_allowed()"
+    result["stages"] = measure_stages(trainer, args, a.steps, n_params, peak)
+    out.write_text(json.dumps(result, indent=1))  # partial results survive a later failure
+    result["optimizers"] = measure_optimizers(trainer, args)
+    result["orthogonalizer"] = measure_orthogonalizer(trainer.muon)
+    out.write_text(json.dumps(result, indent=1))
+    profile_path = out.with_name(out.stem + "_profile.txt")
+    measure_profile(trainer, args, profile_path)
+    result["profile"] = profile_path.name
+    if a.cached_start:
+        tmp = out.with_name(out.stem + "_cached_start.json")
+        subprocess.run([sys.executable, __file__, "--cold-start-only", "--out", str(tmp), "--data-dir", a.data_dir],
+                       check=True)
+        cold["cached_s"] = json.loads(tmp.read_text())["this_process_s"]
+        cold["cached_warm_up_s"] = json.loads(tmp.read_text())["warm_up_s"]
+        tmp.unlink()
+    result["cold_start"] = cold
+    out.write_text(json.dumps(result, indent=1))
+    print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Validation loss per checkpoint step across several runs, and two sets compared step by step.
+
+    python bench/val_steps.py NEW_DIR [PRIOR_DIR] [--json out.json]
+
+Each DIR holds training logs (one per run, e.g. one per seed). Prints mean, std and the runs' values at every
+validation step, and with two sets the difference of the means and Welch's t-test p-value per step: the
+"same loss at the same step" check of issue 4 (an optimisation must not move these beyond run-to-run noise).
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "records"))
+import compare  # noqa: E402
+
+
+def losses_by_step(runs) -> dict:
+    """{step: [loss of every run that validated at that step]}, steps in order."""
+    table = {}
+    for run in runs:
+        for step, _total, loss, _t, _avg in run.val:
+            table.setdefault(step, []).append(loss)
+    return dict(sorted(table.items()))
+
+
+def summarise(runs) -> dict:
+    out = {}
+    for step, losses in losses_by_step(runs).items():
+        mean, std = compare.mean_std(losses)
+        out[step] = dict(mean=mean, std=std, n=len(losses), losses=losses)
+    return out
+
+
+def compare_sets(new: dict, prior: dict) -> dict:
+    out = {}
+    for step in new:
+        if step in prior and new[step]["n"] >= 2 and prior[step]["n"] >= 2:
+            t = compare.welch(new[step]["losses"], prior[step]["losses"])
+            out[step] = dict(diff=new[step]["mean"] - prior[step]["mean"], p=t["p"])
+    return out
+
+
+def text(name: str, s: dict) -> str:
+    lines = [f"{name}:"]
+    for step, row in s.items():
+        values = " ".join(f"{x:.4f}" for x in row["losses"])
+        std = f"{row['std']:.4f}" if row["n"] > 1 else "-"
+        lines.append(f"  step {step:>5}: mean {row['mean']:.4f} std {std} (n={row['n']}: {values})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dirs", nargs="+", help="NEW_DIR [PRIOR_DIR]")
+    ap.add_argument("--json", help="also write the numbers here")
+    a = ap.parse_args(argv)
+    if len(a.dirs) > 2:
+        ap.error("give one or two folders")
+    sets, result = [], {}
+    for d in a.dirs:
+        runs, skipped = compare.load_runs([d])
+        for path, why in skipped:
+            print(f"skipped {path}: {why}", file=sys.stderr)
+        if not runs:
+            print(f"error: no finished run logs in {d}", file=sys.stderr)
+            return 2
+        s = summarise(runs)
+        sets.append(s)
+        result[d] = dict(runs=[r.name for r in runs], steps=s)
+        print(text(d, s))
+    if len(sets) == 2:
+        diff = compare_sets(*sets)
+        result["new_minus_prior"] = diff
+        print("new - prior:")
+        for step, row in diff.items():
+            print(f"  step {step:>5}: {row['diff']:+.4f} (Welch p = {row['p']:.3f})")
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

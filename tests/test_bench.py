@@ -1,0 +1,83 @@
+"""bench/bench.py: the parts that run without a GPU (synthetic data, FLOP count, MFU, the table)."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as tg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench  # noqa: E402
+
+
+def test_synthetic_shards_are_valid_speedrun_shards_of_bos_started_documents(tmp_path):
+    bench.make_synthetic_shards(tmp_path, train_tokens=200_000, val_tokens=50_001)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["fineweb_train_000001.bin", "fineweb_train_000002.bin", "fineweb_val_000000.bin"]
+    total = 0
+    for name in files[:2]:
+        tokens = tg.load_data_shard(tmp_path / name).numpy()
+        total += len(tokens)
+        starts = np.flatnonzero(tokens == tg.BOS_ID)
+        assert starts[0] == 0
+        lengths = np.diff(np.append(starts, len(tokens)))
+        assert lengths.max() <= 8192 and np.median(lengths) > 100
+        assert tokens.max() <= tg.BOS_ID
+    assert total == 200_000
+    assert tg.read_shard_header(tmp_path / files[2]) == 50_001
+
+
+def test_synthetic_shards_are_reused_when_present(tmp_path):
+    bench.make_synthetic_shards(tmp_path, 20_000, 5_000)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    bench.make_synthetic_shards(tmp_path, 20_000, 5_000)
+    assert before == {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+
+
+def test_document_lengths_sum_exactly_and_respect_bounds():
+    lengths = bench.document_lengths(1_000_000, np.random.default_rng(0))
+    assert sum(lengths) == 1_000_000
+    assert min(lengths[:-1]) >= 16 and max(lengths) <= 8192
+
+
+def test_matmul_params_of_the_record_model_is_114m():
+    with torch.device("meta"):
+        model = tg.GPT(tg.Hyperparameters(), max_seq_len=2048)
+    # 10 attention stacks (4 x 768 x 768) with their 6 x 12 gates, 11 MLPs (2 x 3072 x 768), lm_head 50304 x 768
+    assert bench.matmul_params(model) == 10 * (4 * 768 ** 2 + 72) + 11 * 2 * 3072 * 768 + 50304 * 768 == 114_131_664
+
+
+def test_mfu_formula():
+    # the reference's stage 3 on the H100: 393,216 tokens in 721 ms against a 798 TFLOP/s peak
+    assert bench.mfu(393_216 / 0.721, 114_130_944, 798e12) == pytest.approx(0.468, abs=1e-3)
+
+
+def test_stage_table_follows_the_schedule():
+    rows = bench.stage_table(tg.Hyperparameters())
+    assert rows == [("stage 1", 131072, 3), ("stage 2", 262144, 7), ("stage 3", 393216, 11),
+                    ("extension", 393216, 13)]
+
+
+def test_format_table_lists_every_stage_and_the_comparison_with_the_reference():
+    stages = [dict(name=n, tokens_per_step=bs, windows=f"{w // 2},{w}", median_ms=ms, tokens_per_s=bs / ms * 1e3,
+                   mfu=0.5, peak_allocated_gib=20.0, reference_ms=bench.REFERENCE_H100_MS.get(i + 1))
+              for i, ((n, bs, w), ms) in enumerate(zip(bench.stage_table(tg.Hyperparameters()), (200, 400, 600, 610)))]
+    result = dict(stages=stages, matmul_params=114_130_944, bf16_peak_tflops=800.0,
+                  cold_start=dict(this_process_s=100.0, warm_up_s=90.0, cache_present_at_start=False,
+                                  cache_mb_after=150.0, cached_s=25.0),
+                  optimizers=dict(normuon_ms=5.0, distadam_ms=2.0),
+                  orthogonalizer={"mlp 22x3072x768": dict(polar=dict(ms=2.0, polar_rel_err=0.1),
+                                                          turbo=dict(ms=1.5, polar_rel_err=0.1))})
+    table = bench.format_table(result)
+    assert "stage 3" in table and "extension" in table
+    assert "0.832" in table  # 600 / 721
+    assert "with that cache: 25.0s" in table and "NorMuon step alone 5.00 ms" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_bench_without_cuda_fails_with_one_line(capsys):
+    assert bench.main(["--out", "/nonexistent/x.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CUDA" in err[0]
