@@ -103,6 +103,7 @@ class Hyperparameters:
     log_dir: str = "logs"
     profile_step: int = -1                # >= 0: profile that training step, write <log_dir>/<run_id>_profile.txt
     fail_on_recompile: bool = True        # a torch.compile inside the timed loop raises (the warm-up missed a graph)
+    dynamic_seq_len: bool = True          # compile the model once for all batch sizes (token dim symbolic), not per stage
     smoke: bool = False                   # tiny preset for CPUs and tests (see SMOKE_PRESET)
 
     @property
@@ -1050,9 +1051,24 @@ class Yarn(nn.Module):
 
 
 # --- attention backends: q, k, v are (T, heads, head_dim) packed documents -------------
+#
+# Every backend has the signature attn_fn(q, k, v, cu_seqlens, max_seqlen, params, which): `params` holds the
+# softmax scale and the windows of the step, `which` picks the short (0) or long (1) window. For the varlen and
+# reference backends params is a CPU float64 tensor [[scale, short_window], [scale, long_window]] (tokens): the
+# compiled graphs see it as data, so one graph serves every window stage and every YaRN scale (with Python
+# numbers each (window, scale) pair would be a new graph: 4 train + 5 eval compilations instead of 1 + 1).
+# The FA3 (kernels hub) backend takes Python numbers, a tuple of tuples, and so compiles one graph per pair.
 
-def attention_reference(q, k, v, cu_seqlens, max_seqlen, scale, window):
+def attention_scalars(params, which: int) -> tuple:
+    """(scale, window) as Python numbers from either form of `params`."""
+    row = params[which]
+    scale, window = (row.tolist() if isinstance(row, Tensor) else row)
+    return float(scale), int(window)
+
+
+def attention_reference(q, k, v, cu_seqlens, max_seqlen, params, which):
     """Plain PyTorch: per document, causal, each query sees itself and at most `window` earlier tokens."""
+    scale, window = attention_scalars(params, which)
     out = torch.zeros_like(q)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -1068,35 +1084,90 @@ def attention_reference(q, k, v, cu_seqlens, max_seqlen, scale, window):
     return out
 
 
-def attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, window):
-    from torch.nn.attention.varlen import varlen_attn
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(window, 0))
+# PyTorch's FlashAttention-2 varlen kernels (the ones behind torch.nn.attention.varlen.varlen_attn) behind our own
+# custom op, so that the window and the scale are read from a CPU tensor when the op runs instead of being baked
+# into the graph. Window (w, 0) = causal, at most w earlier tokens of the same document.
+@torch.library.custom_op("speedrun::flash_varlen", mutates_args=())
+def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
+                 which: int) -> tuple[Tensor, Tensor, Tensor]:
+    scale, window = attention_scalars(params, which)
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False,
+        scale=scale, window_size_left=window, window_size_right=0)
+    rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)  # dropout is 0: the backward ignores it
+    return out, lse, rng_state
+
+
+@flash_varlen.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, params, which):
+    return (torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32),
+            q.new_empty((2,), dtype=torch.uint64))
+
+
+@torch.library.custom_op("speedrun::flash_varlen_backward", mutates_args=())
+def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          cu_seqlens: Tensor, max_seqlen: int, rng_state: Tensor, params: Tensor,
+                          which: int) -> tuple[Tensor, Tensor, Tensor]:
+    scale, window = attention_scalars(params, which)
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, rng_state, unused,
+        scale=scale, window_size_left=window, window_size_right=0)
+    return dq, dk, dv
+
+
+@flash_varlen_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_state, params, which):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash_varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, params, which = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, params)
+    ctx.max_seqlen, ctx.which = max_seqlen, which
+
+
+def _flash_varlen_backward_rule(ctx, grad_out, *_):
+    q, k, v, out, lse, cu_seqlens, rng_state, params = ctx.saved_tensors
+    dq, dk, dv = torch.ops.speedrun.flash_varlen_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens,
+                                                          ctx.max_seqlen, rng_state, params, ctx.which)
+    return dq, dk, dv, None, None, None, None
+
+
+flash_varlen.register_autograd(_flash_varlen_backward_rule, setup_context=_flash_varlen_setup_context)
+
+
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, params, which):
+    return torch.ops.speedrun.flash_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
 
 
 _FA3 = None
 
 
-def attention_fa3(q, k, v, cu_seqlens, max_seqlen, scale, window):
+def attention_fa3(q, k, v, cu_seqlens, max_seqlen, params, which):
+    scale, window = attention_scalars(params, which)
     return _FA3.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, causal=True,
                                        softmax_scale=scale, window_size=(window, 0))
 
 
 ATTENTION_BACKENDS = {"fa3": attention_fa3, "varlen": attention_varlen, "reference": attention_reference}
+ATTENTION_STATIC_PARAMS = ("fa3",)  # backends that need Python numbers (one compiled graph per window pair)
 
 
 def varlen_available() -> bool:
+    """PyTorch's FlashAttention-2 varlen kernels with sliding windows (torch >= 2.10, CUDA build)."""
     try:
-        import inspect
-        from torch.nn.attention.varlen import varlen_attn
-        return "window_size" in inspect.signature(varlen_attn).parameters
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (the public API of the same kernels)
+        return hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.is_built()
     except Exception:
         return False
 
 
 def resolve_attention_backend(requested: str, device_type: str) -> str:
     """auto: FA3 from the `kernels` hub when installed and reachable (the record's choice), then
-    PyTorch's varlen_attn, then the reference. An explicit request that cannot work is an error."""
+    PyTorch's varlen FlashAttention-2 kernels, then the reference. An explicit request that cannot work is an error."""
     global _FA3
     if device_type != "cuda":
         if requested not in ("auto", "reference"):
@@ -1115,8 +1186,8 @@ def resolve_attention_backend(requested: str, device_type: str) -> str:
         if varlen_available():
             return "varlen"
         if requested == "varlen":
-            raise ConfigError("--attn-backend varlen needs torch.nn.attention.varlen.varlen_attn with window_size "
-                              f"(torch >= 2.10); this is torch {torch.__version__}")
+            raise ConfigError("--attn-backend varlen needs torch.nn.attention.varlen (torch >= 2.10, CUDA build); "
+                              f"this is torch {torch.__version__}")
     return "reference"
 
 
@@ -1135,7 +1206,7 @@ class CausalSelfAttention(nn.Module):
         nn.init.zeros_(self.attn_gate.weight)
         tag(self.attn_gate.weight, "attn_gate")
 
-    def forward(self, x, ve, sa_lambdas, cu_seqlens, max_seqlen, window, yarn, attn_fn):
+    def forward(self, x, ve, sa_lambdas, cu_seqlens, max_seqlen, attn_params, which, yarn, attn_fn):
         T, d = x.shape
         w = self.qkvo_w.type_as(x)
         # sa_lambdas are folded into the weights (a 768x2304 multiply is cheaper than a T x 2304 one).
@@ -1144,7 +1215,7 @@ class CausalSelfAttention(nn.Module):
         q, k = yarn.rotate(norm(q)), yarn.rotate(norm(k))
         if ve is not None:
             v = v + ve.view_as(v)
-        y = attn_fn(q, k, v, cu_seqlens, max_seqlen, yarn.attn_scale, window)
+        y = attn_fn(q, k, v, cu_seqlens, max_seqlen, attn_params, which)
         y = y * torch.sigmoid(F.linear(x[:, :12], self.attn_gate.weight)).unsqueeze(-1)
         return F.linear(y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
 
@@ -1209,6 +1280,8 @@ class GPT(nn.Module):
         tag(self.lm_head.weight, "lm_head", 1.0)
         tag(self.scalars, "scalars", 5.0)
         self.attn_fn = attention_reference
+        self.static_attention_params = False  # True for backends that need Python numbers (FA3)
+        self.dynamic_seq_len = False          # compile the token dimension as symbolic (set by the trainer)
         self.use_fp8 = False
         self._trunk = self._head = None  # compiled regions, set by compile_regions()
 
@@ -1222,9 +1295,23 @@ class GPT(nn.Module):
     def forward(self, input_seq: Tensor, target_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
                 max_seqlen: int) -> Tensor:
         trunk, head = self._trunk or self.trunk, self._head or self.head
-        return head(trunk(input_seq, cu_seqlens, ws_short, ws_long, max_seqlen), target_seq)
+        attn_params = self.attention_params(ws_short, ws_long)
+        if self.dynamic_seq_len:  # one compiled graph for every micro-batch length (and cu_seqlens length)
+            for t in (input_seq, target_seq, cu_seqlens):
+                torch._dynamo.mark_dynamic(t, 0)
+        x = trunk(input_seq, cu_seqlens, attn_params, max_seqlen)
+        if self.dynamic_seq_len:
+            torch._dynamo.mark_dynamic(x, 0)
+        return head(x, target_seq)
 
-    def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int, max_seqlen: int) -> Tensor:
+    def attention_params(self, ws_short: int, ws_long: int):
+        """Softmax scale and (short, long) windows in tokens, rows [scale, window]: a fresh CPU tensor per call
+        (data to the compiled graph, saved as is for the backward), or Python numbers for a static backend."""
+        scale, bs = self.yarn.attn_scale, self.block_size
+        rows = ((scale, ws_short * bs), (scale, ws_long * bs))
+        return rows if self.static_attention_params else torch.tensor(rows, dtype=torch.float64)
+
+    def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, attn_params, max_seqlen: int) -> Tensor:
         """Embeddings and blocks: returns the normalised final hidden state (T, d)."""
         L = len(self.blocks)
         skip_w = self.scalars[:L]
@@ -1245,9 +1332,10 @@ class GPT(nn.Module):
                 x = x + torch.sigmoid(skip_w[1]) * skip
             x = lambdas[i, 0] * x + lambdas[i, 1] * x0
             if block.attn is not None:
-                window = (ws_long if i in self.LONG_WINDOW_LAYERS else ws_short) * self.block_size
+                which = 1 if i in self.LONG_WINDOW_LAYERS else 0
                 v = ve[self.VALUE_EMBED_OF_LAYER[i]] if i in self.VALUE_EMBED_OF_LAYER else None
-                x = x + block.attn(norm(x), v, sa_lambdas[i], cu_seqlens, max_seqlen, window, self.yarn, self.attn_fn)
+                x = x + block.attn(norm(x), v, sa_lambdas[i], cu_seqlens, max_seqlen, attn_params, which, self.yarn,
+                                   self.attn_fn)
             if block.mlp is not None:
                 x = x + block.mlp(norm(x))
             if i == self.SKIP_FROM:
@@ -1691,6 +1779,7 @@ class Trainer:
         """Untimed: run every graph variant the real run will meet (4 train stages, 5 eval window pairs),
         then restore the initial weights and optimizer states so the timed run starts from scratch."""
         a = self.args
+        self.warm_up_times = []  # (label, seconds): where the cold start goes
         initial = copy.deepcopy(dict(model=self.model.state_dict(),
                                      opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
         stages = list(zip([*a.ws_schedule, a.ws_final], [*a.train_bs_schedule, a.train_bs_extension]))
@@ -1705,7 +1794,9 @@ class Trainer:
                 self.train_step(k, batches, (batch_size, a.train_max_seq_len, self.grad_accum_steps), long // 2, long,
                                 micro_batches=1)
             synchronize(self.device)
-            self.console(f"warm-up: train graphs for batch {batch_size}, window {long}: {time.time() - t:.1f}s")
+            self.warm_up_times.append((f"train batch {batch_size} window {long}", time.time() - t))
+            self.console(f"warm-up: train steps for batch {batch_size}, window {long}: {time.time() - t:.1f}s "
+                         f"({compiled_graph_count()} graphs compiled so far)")
         if self.adam.should_sync:
             self.adam.step()  # an odd number of warm-up steps leaves reduce-scatters in flight
         self.model.zero_grad(set_to_none=True)
@@ -1717,7 +1808,9 @@ class Trainer:
             previous = long
             t = time.time()
             self.evaluate(short, long, max_steps=1)
-            self.console(f"warm-up: eval graph for windows ({short}, {long}): {time.time() - t:.1f}s")
+            self.warm_up_times.append((f"eval windows {short},{long}", time.time() - t))
+            self.console(f"warm-up: eval for windows ({short}, {long}): {time.time() - t:.1f}s "
+                         f"({compiled_graph_count()} graphs compiled so far)")
         self.model.train()
         self.model.yarn.reset()
         self.muon.reset()
@@ -1782,6 +1875,11 @@ class Trainer:
             path = self.log.path.with_name(self.log.path.stem + "_profile.txt")
             path.write_text(summarize_profile(prof, f"step {step}, world size {self.world_size}"))
             self.console(f"profile of step {step} written to {path}")
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has produced in this process (model regions and optimizer helpers)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def no_compiles_allowed(enabled: bool = True):
@@ -1933,6 +2031,8 @@ def build_model_and_optimizers(args: Hyperparameters, device: str, world_size: i
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // (grad_accum_steps * world_size)
     model = GPT(args, max_seq_len=max_seq_len, world_size=world_size).to(device)
     model.attn_fn = ATTENTION_BACKENDS[backend]
+    model.static_attention_params = backend in ATTENTION_STATIC_PARAMS
+    model.dynamic_seq_len = use_compile and args.dynamic_seq_len
     model.use_fp8 = use_fp8
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
@@ -1956,6 +2056,7 @@ def run(args: Hyperparameters) -> None:
     backend = resolve_attention_backend(args.attn_backend, device)
     use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
     use_fp8 = device == "cuda" and not os.environ.get("DISABLE_FP8")
+    model_dynamic = use_compile and args.dynamic_seq_len
     if use_compile and backend == "reference":
         raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
     train_files, val_file = find_data(args, world_size, grad_accum_steps)
@@ -1974,7 +2075,7 @@ def run(args: Hyperparameters) -> None:
     gpu_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     log(f'Run config: world_size={world_size} grad_accum_steps={grad_accum_steps} device={device} '
         f'attn_backend={backend} orthogonalizer={args.orthogonalizer} fp8={int(use_fp8)} '
-        f'compile={int(use_compile)} data_path={args.data_path} train_epochs={args.train_epochs} '
+        f'compile={int(use_compile)} dynamic_seq_len={int(model_dynamic)} data_path={args.data_path} train_epochs={args.train_epochs} '
         f'seed={args.seed} gpu_name="{gpu_name}"', console=False)
     if args.train_epochs > 1:
         log(f"note: the loader cycles over the training shards {args.train_epochs} times (--train-epochs)")
@@ -1989,7 +2090,7 @@ def run(args: Hyperparameters) -> None:
     t_warm = time.time()
     trainer.warm_up_kernels()
     log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
-        f"{time.time() - PROCESS_START:.1f}s)")
+        f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs)")
     step = trainer.train()
     if dist.is_initialized() and world_size > 1:
         same = replicas_identical(model)

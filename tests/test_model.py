@@ -168,6 +168,12 @@ def dense_reference(q, k, v, cu, scale, window):
     return out.transpose(0, 1)
 
 
+def attn_params(scale, window, short_window=None):
+    """The CPU tensor GPT.attention_params builds: rows [scale, window] for the short (0) and long (1) window."""
+    short = window if short_window is None else short_window
+    return torch.tensor([[scale, short], [scale, window]], dtype=torch.float64)
+
+
 @pytest.mark.parametrize("window", [0, 1, 5, 17, 64, 1000])
 def test_attention_reference_matches_dense_sdpa(window):
     torch.manual_seed(window)
@@ -177,7 +183,7 @@ def test_attention_reference_matches_dense_sdpa(window):
     assert sum(lengths) == T
     cu = tg.pack_cu_seqlens(lengths, T, 16)  # padded with T: zero-length tail entries
     assert cu.tolist()[-3:] == [T, T, T]
-    out = tg.attention_reference(q, k, v, cu, max(lengths), 0.37, window)
+    out = tg.attention_reference(q, k, v, cu, max(lengths), attn_params(0.37, window), 1)
     assert out.dtype == torch.float64 and out.shape == q.shape
     # attention_reference computes in fp32 (`.float()`) whatever the input dtype, so fp32-level tolerance
     torch.testing.assert_close(out, dense_reference(q, k, v, cu, 0.37, window), rtol=1e-5, atol=1e-5)
@@ -188,10 +194,10 @@ def test_attention_reference_no_cross_document_leak():
     T, H, D = 32, 2, 8
     q, k, v = (torch.randn(T, H, D, dtype=torch.float64) for _ in range(3))
     cu = tg.pack_cu_seqlens([10, 22], T, 8)
-    out = tg.attention_reference(q, k, v, cu, 22, 0.5, 100)
+    out = tg.attention_reference(q, k, v, cu, 22, attn_params(0.5, 100), 0)
     v2 = v.clone()
     v2[:10] += 100.0  # changing document 0 must not change document 1's output
-    out2 = tg.attention_reference(q, k, v2, cu, 22, 0.5, 100)
+    out2 = tg.attention_reference(q, k, v2, cu, 22, attn_params(0.5, 100), 0)
     assert torch.equal(out[10:], out2[10:])
     # the first token of each document attends only to itself
     torch.testing.assert_close(out[10], v[10])
@@ -322,7 +328,7 @@ def test_gpt_supports_module_apply():
     assert "Yarn" in seen and "GPT" in seen
 
 
-def _value_passthrough_attention(q, k, v, cu_seqlens, max_seqlen, scale, window):
+def _value_passthrough_attention(q, k, v, cu_seqlens, max_seqlen, params, which):
     return v  # traceable stand-in: these tests are about graph structure, not attention
 
 
@@ -422,3 +428,80 @@ def test_softcapped_cross_entropy_sum_compiled_matches_eager():
     torch._dynamo.reset()
     assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
     assert ((logits.grad.float() - grad.float()).norm() / grad.float().norm()).item() < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------------
+# one compiled graph for every stage: symbolic token dimension, windows and YaRN scale as data
+# ----------------------------------------------------------------------------------------------------
+
+def _params_dependent_attention(q, k, v, cu_seqlens, max_seqlen, params, which):
+    """Traceable stand-in that uses the scale and the window as data (as the real kernels do)."""
+    return v * (params[which, 0] * params[which, 1]).to(v.dtype)
+
+
+def test_attention_params_are_a_fresh_cpu_tensor_of_scale_and_windows_in_tokens(model):
+    model.yarn.reset()
+    params = model.attention_params(3, 7)
+    assert params.device.type == "cpu" and params.dtype == torch.float64
+    assert params.tolist() == [[0.1, 3 * 128], [0.1, 7 * 128]]
+    assert model.attention_params(3, 7) is not params  # saved for the backward: never mutated in place
+    assert tg.attention_scalars(params, 1) == (0.1, 896)
+    model.static_attention_params = True
+    try:
+        assert model.attention_params(5, 11) == ((0.1, 640), (0.1, 1408))
+        assert tg.attention_scalars(model.attention_params(5, 11), 0) == (0.1, 640)
+    finally:
+        model.static_attention_params = False
+
+
+def test_one_compiled_graph_serves_every_batch_size_window_and_yarn_scale():
+    """With dynamic_seq_len the warm-up's first graph must serve all later stages: a new micro-batch length,
+    new windows and a YaRN-updated scale run under fail_on_recompile and give the eager model's loss/grads."""
+    eager, compiled = make_model(seed=11, max_seq_len=512), make_model(seed=11, max_seq_len=512)
+    for m in (eager, compiled):
+        with torch.no_grad():
+            m.lm_head.weight.copy_(torch.randn(m.lm_head.weight.shape, generator=torch.Generator().manual_seed(2))
+                                   .mul(0.02).bfloat16())
+        m.attn_fn = _params_dependent_attention
+    compiled.dynamic_seq_len = True
+    compiled.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
+    inputs, targets, cu = random_batch(128, seed=12)
+    compiled(inputs, targets, cu, 1, 3, 128).backward()  # "warm-up": the only compilation
+    compiled.zero_grad(set_to_none=True)
+    for m in (eager, compiled):
+        m.yarn.apply(3, 7)
+    inputs, targets, cu = random_batch(384, num_docs=9, seed=13)
+    cu = torch.cat([cu, torch.full((128,), 384, dtype=cu.dtype)])  # a longer cu_seqlens too (next stage)
+    with tg.no_compiles_allowed(True):
+        loss_c = compiled(inputs, targets, cu, 3, 7, 128)
+        loss_c.backward()
+    loss_e = eager(inputs, targets, cu, 3, 7, 128)
+    loss_e.backward()
+    torch._dynamo.reset()
+    assert torch.equal(loss_c, loss_e)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_without_dynamic_seq_len_a_new_batch_size_needs_a_new_graph():
+    """The control for the test above: static shapes do recompile (so that test can fail)."""
+    m = make_model(seed=11, max_seq_len=512)
+    m.attn_fn = _params_dependent_attention
+    m.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
+    m(*random_batch(128, seed=12), 1, 3, 128)
+    with tg.no_compiles_allowed(True), pytest.raises(RuntimeError, match="recompile"):
+        m(*random_batch(256, seed=13), 1, 3, 128)
+    torch._dynamo.reset()
+
+
+def test_flash_varlen_op_runs_forward_and_backward_on_meta_tensors():
+    """The FlashAttention custom op's fake kernels and autograd plumbing (the real kernels need CUDA): shapes and
+    dtypes of out/lse and of dq/dk/dv, with the window and scale passed as a CPU tensor."""
+    q, k, v = (torch.empty(256, 6, 128, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in range(3))
+    cu = torch.empty(128, dtype=torch.int32, device="meta")
+    params = torch.empty(2, 2, dtype=torch.float64)
+    out, lse, rng = torch.ops.speedrun.flash_varlen(q, k, v, cu, 2048, params, 1)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert lse.shape == (6, 256) and lse.dtype == torch.float32
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    assert dq.shape == dk.shape == dv.shape == q.shape and dq.dtype == torch.bfloat16
