@@ -104,6 +104,7 @@ class Hyperparameters:
     profile_step: int = -1                # >= 0: profile that training step, write <log_dir>/<run_id>_profile.txt
     fail_on_recompile: bool = True        # a torch.compile inside the timed loop raises (the warm-up missed a graph)
     dynamic_seq_len: bool = True          # compile the model once for all batch sizes (token dim symbolic), not per stage
+    fused_fp8_head: bool = True           # FP8 lm_head + softcapped CE with one fused Triton backward pass
     smoke: bool = False                   # tiny preset for CPUs and tests (see SMOKE_PRESET)
 
     @property
@@ -377,6 +378,43 @@ if triton is not None:
         tl.store(Y + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
 
 
+    @triton.jit
+    def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
+                                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                                    ROUND_BF16: tl.constexpr, FP8: tl.constexpr):
+        # Gradient of sum_t CE(30·sigmoid(logits_t/7.5), target_t) times grad, for one (BLOCK_T x BLOCK_V) tile:
+        #   g = grad·(softmax(z) - onehot)·dz/dlogit,  z = 30·s, s = sigmoid(logit/7.5), dz/dlogit = 4·s·(1-s)
+        # rounded to bf16 (the SPEC's bf16 gradient), divided by grad_s and cast to e5m2, then stored twice: as
+        # (T, V) for dX and transposed as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous). One read of
+        # the logits and two 1-byte writes per element; both stores are coalesced (the transpose goes through
+        # shared memory). FP8=False stores the fp32 values instead (tests), ROUND_BF16=False skips the rounding.
+        pid_t = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        rmask = rows < T
+        mask = rmask[:, None] & (cols[None, :] < V)
+        rows64 = rows.to(tl.int64)
+        cols64 = cols.to(tl.int64)
+        x = tl.load(logits + rows64[:, None] * V + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
+        row_lse = tl.load(lse + rows, mask=rmask, other=0.0)
+        row_target = tl.load(targets + rows, mask=rmask, other=-1)
+        scale = tl.load(grad).to(tl.float32)
+        s = tl.sigmoid(x / 7.5)
+        p = tl.exp(30.0 * s - row_lse[:, None])
+        onehot = (cols[None, :] == row_target[:, None]).to(tl.float32)
+        g = scale * (p - onehot) * 4.0 * s * (1.0 - s)
+        if ROUND_BF16:
+            g = g.to(tl.bfloat16).to(tl.float32)
+        g = g / grad_s
+        if FP8:
+            q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        else:
+            q = g
+        tl.store(out + rows64[:, None] * V + cols64[None, :], q, mask=mask)
+        tl.store(out_t + cols64[:, None] * T + rows64[None, :], tl.trans(q), mask=tl.trans(mask))
+
+
 def _kernels_usable(t: Tensor) -> bool:
     """Triton kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests)."""
     return triton is not None and (t.is_cuda or _TRITON_INTERPRET)
@@ -560,7 +598,10 @@ def fp8_mm_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_
                     grad_s: float) -> tuple[Tensor, Tensor]:
     """dX and dW from operands already quantised (`*_t` are contiguous transposes): _scaled_mm wants a
     row-major first operand and a column-major second one, so dW needs the (T, vocab) gradient transposed."""
-    g_f8_t = transpose_bytes(g_f8)
+    return _fp8_grads(g_f8, transpose_bytes(g_f8), x_f8_t, w_f8_t, x_s, w_s, grad_s)
+
+
+def _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
     grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16,
                               scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(w_s, g_f8), use_fast_accum=False)
     # dW computed as (768 x vocab) then transposed: measured faster upstream for this shape.
@@ -568,6 +609,20 @@ def fp8_mm_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_
                               scale_a=_scale_tensor(x_s, g_f8), scale_b=_scale_tensor(grad_s, g_f8),
                               use_fast_accum=False).T
     return grad_x, grad_w
+
+
+@torch.library.custom_op("speedrun::fp8_mm_backward_pretransposed", mutates_args=())
+def fp8_mm_backward_pretransposed(g_f8: Tensor, g_f8_t: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float,
+                                  w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    """fp8_mm_backward for a caller that already has the (vocab, T) transpose of the gradient (the fused
+    softcap/cross-entropy backward writes both layouts in one pass)."""
+    return _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s)
+
+
+@fp8_mm_backward_pretransposed.register_fake
+def _(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
+    return (g_f8.new_empty((g_f8.size(0), w_f8_t.size(0)), dtype=torch.bfloat16),
+            g_f8.new_empty((x_f8_t.size(0), g_f8.size(1)), dtype=torch.float32).T)
 
 
 @fp8_mm_backward.register_fake
@@ -604,6 +659,76 @@ fp8_mm.register_autograd(_fp8_mm_backward_rule, setup_context=_fp8_mm_setup_cont
 
 def lm_head_fp8(x: Tensor, w: Tensor) -> Tensor:
     return torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[0]
+
+
+# --- fused backward of softcap + cross-entropy + FP8 gradient quantisation --------------------------------------
+
+@torch.library.custom_op("speedrun::softcap_ce_backward", mutates_args=())
+def softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor,
+                        grad_s: float) -> tuple[Tensor, Tensor]:
+    """e5m2(bf16(grad·d/dlogits sum CE(30·sigmoid(logits/7.5))) / grad_s) as (T, V) and as its (V, T) transpose.
+    logits (T, V) bf16, lse (T,) fp32 log-sum-exp of the softcapped logits, targets (T,) int64, grad 0-D."""
+    T, V = logits.shape
+    if not _kernels_usable(logits):
+        return softcap_ce_backward_reference(logits, lse, targets, grad, grad_s)
+    g = torch.empty((T, V), dtype=torch.uint8, device=logits.device)
+    g_t = torch.empty((V, T), dtype=torch.uint8, device=logits.device)
+    launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s, round_bf16=True, fp8=True)
+    return g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
+
+
+def softcap_ce_backward_reference(logits, lse, targets, grad, grad_s: float) -> tuple[Tensor, Tensor]:
+    """The same in PyTorch ops (CPU path; what the unfused head computes): bf16 gradient, /grad_s, e5m2."""
+    s = torch.sigmoid(logits.float() / 7.5)
+    probs = torch.exp(30 * s - lse[:, None])
+    is_target = torch.arange(logits.size(1), device=logits.device)[None, :] == targets[:, None]
+    g = (grad * (probs - is_target.float()) * 4 * s * (1 - s)).to(torch.bfloat16)
+    g_f8 = (g.float() / grad_s).to(torch.float8_e5m2)
+    return g_f8, g_f8.t().contiguous()
+
+
+@softcap_ce_backward.register_fake
+def _(logits, lse, targets, grad, grad_s):
+    T, V = logits.shape
+    return (logits.new_empty((T, V), dtype=torch.float8_e5m2), logits.new_empty((V, T), dtype=torch.float8_e5m2))
+
+
+def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool):
+    """Run _softcap_ce_backward_kernel; out (T, V) and out_t (V, T) are uint8 (fp8=True) or float32 buffers."""
+    T, V = logits.shape
+    block_t, block_v = 128, 128  # 128-byte rows of fp8 on both the (T, V) and the (V, T) side
+    _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
+        logits, lse, targets, grad, out, out_t, T, V, grad_s, BLOCK_T=block_t, BLOCK_V=block_v,
+        ROUND_BF16=round_bf16, FP8=fp8, num_warps=8)
+
+
+class FP8LMHeadCrossEntropySum(torch.autograd.Function):
+    """Training head with the FP8 lm_head: sum over tokens of CE(30·sigmoid((x Wᵀ)/7.5), targets).
+
+    Forward: the FP8 matmul (custom op) and one pass over the logits for the log-sum-exp (traced, so Inductor
+    fuses it). Backward: one Triton pass over the logits writes the e5m2 gradient in both layouts the two FP8
+    GEMMs need, replacing the softcap/CE backward kernel, its bf16 gradient tensor, the cast and the separate
+    transpose of the unfused path (lm_head_fp8 + softcapped_cross_entropy_sum, which computes the same function)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
+        logits, x_f8, w_f8 = torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
+        lse = torch.exp(30 * torch.sigmoid(logits.float() / 7.5)).sum(dim=-1).log()
+        z_target = 30 * torch.sigmoid(logits.gather(1, targets[:, None]).squeeze(1).float() / 7.5)
+        ctx.save_for_backward(logits, targets, lse, x_f8, w_f8)
+        return (lse - z_target).sum()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, targets, lse, x_f8, w_f8 = ctx.saved_tensors
+        g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE)
+        grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward_pretransposed(
+            g_f8, g_f8_t, x_f8.t().contiguous(), w_f8.t().contiguous(), FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
+        return grad_x, grad_w, None
+
+
+def fp8_lm_head_cross_entropy_sum(x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
+    return FP8LMHeadCrossEntropySum.apply(x, w, targets)
 
 
 # =====================================================================================
@@ -1283,6 +1408,7 @@ class GPT(nn.Module):
         self.static_attention_params = False  # True for backends that need Python numbers (FA3)
         self.dynamic_seq_len = False          # compile the token dimension as symbolic (set by the trainer)
         self.use_fp8 = False
+        self.fused_fp8_head = True            # FP8LMHeadCrossEntropySum instead of lm_head_fp8 + softcapped CE
         self._trunk = self._head = None  # compiled regions, set by compile_regions()
 
     def compile_regions(self, **options):
@@ -1346,11 +1472,12 @@ class GPT(nn.Module):
 
     def head(self, x: Tensor, target_seq: Tensor) -> Tensor:
         """lm_head, softcap and cross-entropy: summed over tokens in training, mean in eval."""
-        if self.training and self.use_fp8:
-            logits = lm_head_fp8(x, self.lm_head.weight)
-        else:
-            logits = F.linear(x, self.lm_head.weight)
-        if self.training:  # summed over tokens; the loop divides by the accumulation steps
+        if self.training and self.use_fp8:  # summed over tokens; the loop divides by the accumulation steps
+            if self.fused_fp8_head:
+                return fp8_lm_head_cross_entropy_sum(x, self.lm_head.weight, target_seq)
+            return softcapped_cross_entropy_sum(lm_head_fp8(x, self.lm_head.weight), target_seq)
+        logits = F.linear(x, self.lm_head.weight)
+        if self.training:
             return softcapped_cross_entropy_sum(logits, target_seq)
         logits = 30 * torch.sigmoid(logits / 7.5)  # softcap into (0, 30)
         return F.cross_entropy(logits.float(), target_seq, reduction="mean")
@@ -2034,6 +2161,7 @@ def build_model_and_optimizers(args: Hyperparameters, device: str, world_size: i
     model.static_attention_params = backend in ATTENTION_STATIC_PARAMS
     model.dynamic_seq_len = use_compile and args.dynamic_seq_len
     model.use_fp8 = use_fp8
+    model.fused_fp8_head = args.fused_fp8_head
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)

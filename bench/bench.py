@@ -263,11 +263,12 @@ def measure_profile(trainer, args, out_path: Path) -> str:
     return text
 
 
-def bench_args(data_dir: Path, seed: int, dynamic_seq_len: bool = True) -> tg.Hyperparameters:
+def bench_args(data_dir: Path, seed: int, dynamic_seq_len: bool = True, fused_fp8_head: bool = True) -> tg.Hyperparameters:
     """The record's hyperparameters; only the data (synthetic, cycled) and the val set (one batch) differ."""
     defaults = tg.Hyperparameters()
     return dataclasses.replace(defaults, data_path=str(data_dir), seed=seed, train_epochs=100,
-                               val_tokens=defaults.val_batch_size, dynamic_seq_len=dynamic_seq_len)
+                               val_tokens=defaults.val_batch_size, dynamic_seq_len=dynamic_seq_len,
+                               fused_fp8_head=fused_fp8_head)
 
 
 def compile_report() -> dict:
@@ -298,6 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default="", help="recorded in the JSON when .git is not available")
     ap.add_argument("--static", action="store_true",
                     help="compile one graph per batch-size stage (dynamic_seq_len off): the A/B control")
+    ap.add_argument("--unfused-head", action="store_true",
+                    help="lm_head_fp8 + softcapped CE instead of the fused FP8 head (A/B control)")
     ap.add_argument("--stages-only", action="store_true",
                     help="cold start and per-stage timings only (no optimizer, orthogonalizer, profile)")
     a = ap.parse_args(argv)
@@ -306,7 +309,7 @@ def main(argv=None) -> int:
         return 2
     cache = inductor_cache_dir()
     cache_present = folder_mb(cache) > 1.0
-    args = bench_args(Path(a.data_dir), seed=1234, dynamic_seq_len=not a.static)
+    args = bench_args(Path(a.data_dir), seed=1234, dynamic_seq_len=not a.static, fused_fp8_head=not a.unfused_head)
     t_data = time.time()
     make_synthetic_shards(Path(a.data_dir), train_tokens=60_000_000, val_tokens=args.val_batch_size + 1)
     data_s = time.time() - t_data  # the benchmark's own synthetic data: not part of the trainer's cold start
@@ -333,7 +336,7 @@ def main(argv=None) -> int:
         cuda=torch.version.cuda, python=platform.python_version(), commit=git_commit() or a.commit,
         date=datetime.date.today().isoformat(), command=" ".join([Path(sys.executable).name, *sys.argv]),
         world_size=1, data="synthetic document-structured tokens (log-normal lengths, median 600)",
-        dynamic_seq_len=args.dynamic_seq_len,
+        dynamic_seq_len=args.dynamic_seq_len, fused_fp8_head=args.fused_fp8_head,
         matmul_params=n_params, bf16_peak_tflops=peak / 1e12,
         attn_backend=tg.resolve_attention_backend("auto", "cuda"), fp8=not os.environ.get("DISABLE_FP8"))
     result["cold_start"] = cold

@@ -51,6 +51,45 @@ def check_fp8(results):
     results["fp8_lm_head"]["compiled_matches_eager"] = abs(f(x, w).item() - out.float().sum().item()) < 1e-2 * abs(out.float().sum().item()) + 1
 
 
+def check_fused_head(results):
+    """FP8LMHeadCrossEntropySum (one Triton backward pass writing both e5m2 layouts) against the unfused path
+    (lm_head_fp8 + softcapped CE, compiled: Inductor's kernel + cast + transpose kernel), on a 16384-token batch."""
+    import triton.testing
+    torch.manual_seed(0)
+    T, d, V = 16384, 768, 50304
+    x = tg.norm(torch.randn(T, d, device="cuda")).bfloat16().requires_grad_()
+    w = (torch.randn(V, d, device="cuda") * 0.05).bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (T,), device="cuda")
+    paths = dict(unfused=lambda a, b, t: tg.softcapped_cross_entropy_sum(tg.lm_head_fp8(a, b), t),
+                 fused=tg.fp8_lm_head_cross_entropy_sum)
+    out = {}
+    for name, fn in paths.items():
+        f = torch.compile(fn, fullgraph=True, dynamic=False)
+        loss = f(x, w, targets)
+        (loss / 8).backward()
+        out[name] = (loss.detach(), x.grad.clone(), w.grad.clone())
+        x.grad = w.grad = None
+
+        def step():
+            (f(x, w, targets) / 8).backward()
+        out[name] += (triton.testing.do_bench(step, warmup=5, rep=50, return_mode="median"),)
+        x.grad = w.grad = None
+    # the e5m2 gradient itself: Triton kernel vs the same formula in PyTorch ops, byte by byte
+    with torch.no_grad():
+        logits = tg.lm_head_fp8(x, w)
+        lse = torch.exp(30 * torch.sigmoid(logits.float() / 7.5)).sum(-1).log()
+        grad = torch.tensor(0.125, device="cuda")
+        k, k_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, tg.FP8_GRAD_SCALE)
+        r, r_t = tg.softcap_ce_backward_reference(logits, lse, targets, grad, tg.FP8_GRAD_SCALE)
+    results["fused_fp8_head"] = dict(
+        shape=[T, d, V], loss_rel_diff=abs((out["fused"][0] - out["unfused"][0]) / out["unfused"][0]).item(),
+        dx_rel_diff=rel(out["fused"][1], out["unfused"][1]), dw_rel_diff=rel(out["fused"][2], out["unfused"][2]),
+        g_f8_bytes_identical_share=(k.view(torch.uint8) == r.view(torch.uint8)).double().mean().item(),
+        g_f8_rel_diff=rel(k.float(), r.float()),
+        g_f8_t_is_transpose=bool(torch.equal(k_t.view(torch.uint8), k.t().contiguous().view(torch.uint8))),
+        fwd_bwd_ms_unfused=out["unfused"][3], fwd_bwd_ms_fused=out["fused"][3])
+
+
 def random_docs(T, max_len, device):
     lengths, total = [], 0
     gen = torch.Generator().manual_seed(1)
@@ -142,15 +181,15 @@ def check_orthogonalizers(results):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/gpu_checks.json")
-    ap.add_argument("--checks", default="fp8,attention,kernels,orthogonalizers",
-                    help="comma-separated subset of fp8, attention, kernels, orthogonalizers")
+    ap.add_argument("--checks", default="fp8,fused_head,attention,kernels,orthogonalizers",
+                    help="comma-separated subset of fp8, fused_head, attention, kernels, orthogonalizers")
     a = ap.parse_args()
     import triton
     results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    python=platform.python_version(), command=" ".join(["python3", *sys.argv]),
                    commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
-    checks = dict(fp8=check_fp8, attention=check_attention, kernels=check_kernels,
+    checks = dict(fp8=check_fp8, fused_head=check_fused_head, attention=check_attention, kernels=check_kernels,
                   orthogonalizers=check_orthogonalizers)
     for check in (checks[name] for name in a.checks.split(",")):
         try:

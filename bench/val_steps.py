@@ -59,7 +59,10 @@ def main(argv=None) -> int:
         ap.error("give one or two folders")
     sets, result = [], {}
     for d in a.dirs:
-        runs, skipped = compare.load_runs([d])
+        # a folder may also hold the runs' console copies (console*.txt): the same lines again, so not runs
+        logs = [str(f) for f in sorted(Path(d).glob("*.txt")) if not f.name.startswith("console")] \
+            if Path(d).is_dir() else [d]
+        runs, skipped = compare.load_runs(logs)
         for path, why in skipped:
             print(f"skipped {path}: {why}", file=sys.stderr)
         if not runs:

@@ -505,3 +505,20 @@ def test_flash_varlen_op_runs_forward_and_backward_on_meta_tensors():
     assert lse.shape == (6, 256) and lse.dtype == torch.float32
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
     assert dq.shape == dk.shape == dv.shape == q.shape and dq.dtype == torch.bfloat16
+
+
+def test_fused_fp8_head_gives_the_unfused_heads_loss_and_gradients():
+    """GPT.head with use_fp8: the fused FP8LMHeadCrossEntropySum and lm_head_fp8 + softcapped CE agree exactly."""
+    results = []
+    for fused in (True, False):
+        m = make_model(seed=21, max_seq_len=256)
+        with torch.no_grad():
+            m.lm_head.weight.normal_(0, 0.05)
+        m.use_fp8, m.fused_fp8_head = True, fused
+        loss = m(*random_batch(256, seed=22), 1, 3, 256)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][1].keys() == results[1][1].keys()
+    for name, g in results[0][1].items():
+        assert torch.equal(g, results[1][1][name]), name
