@@ -388,15 +388,17 @@ if triton is not None:
         # (T, V) for dX and transposed as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous). One read of
         # the logits and two 1-byte writes per element; both stores are coalesced (the transpose goes through
         # shared memory). FP8=False stores the fp32 values instead (tests), ROUND_BF16=False skips the rounding.
-        pid_t = tl.program_id(0)
-        pid_v = tl.program_id(1)
-        rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        row0 = tl.program_id(0) * BLOCK_T
+        col0 = tl.program_id(1) * BLOCK_V
+        r = tl.arange(0, BLOCK_T)   # in-tile offsets stay int32; only the tile bases are 64-bit
+        c = tl.arange(0, BLOCK_V)
+        rows = row0 + r
+        cols = col0 + c
         rmask = rows < T
         mask = rmask[:, None] & (cols[None, :] < V)
-        rows64 = rows.to(tl.int64)
-        cols64 = cols.to(tl.int64)
-        x = tl.load(logits + rows64[:, None] * V + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
+        tile = row0.to(tl.int64) * V + col0             # (row0, col0) in the (T, V) layout
+        tile_t = col0.to(tl.int64) * T + row0           # (col0, row0) in the (V, T) layout
+        x = tl.load(logits + tile + (r[:, None] * V + c[None, :]), mask=mask, other=0.0).to(tl.float32)
         row_lse = tl.load(lse + rows, mask=rmask, other=0.0)
         row_target = tl.load(targets + rows, mask=rmask, other=-1)
         scale = tl.load(grad).to(tl.float32)
@@ -411,8 +413,8 @@ if triton is not None:
             q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
         else:
             q = g
-        tl.store(out + rows64[:, None] * V + cols64[None, :], q, mask=mask)
-        tl.store(out_t + cols64[:, None] * T + rows64[None, :], tl.trans(q), mask=tl.trans(mask))
+        tl.store(out + tile + (r[:, None] * V + c[None, :]), q, mask=mask)
+        tl.store(out_t + tile_t + (c[:, None] * T + r[None, :]), tl.trans(q), mask=tl.trans(mask))
 
 
 def _kernels_usable(t: Tensor) -> bool:
@@ -693,13 +695,25 @@ def _(logits, lse, targets, grad, grad_s):
     return (logits.new_empty((T, V), dtype=torch.float8_e5m2), logits.new_empty((V, T), dtype=torch.float8_e5m2))
 
 
-def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool):
+# Tile of the fused backward: (BLOCK_T, BLOCK_V, num_warps). SPEEDRUN_CE_BWD_CONFIG="BT,BV,W" overrides it (the
+# variants bench/ce_kernel_bench.py times on the GPU).
+CE_BACKWARD_CONFIG = (64, 128, 8)
+
+
+def ce_backward_config() -> tuple:
+    env = os.environ.get("SPEEDRUN_CE_BWD_CONFIG")
+    return tuple(int(v) for v in env.split(",")) if env else CE_BACKWARD_CONFIG
+
+
+def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool,
+                               config: tuple = None):
     """Run _softcap_ce_backward_kernel; out (T, V) and out_t (V, T) are uint8 (fp8=True) or float32 buffers."""
     T, V = logits.shape
-    block_t, block_v = 128, 128  # 128-byte rows of fp8 on both the (T, V) and the (V, T) side
+    block_t, block_v, warps = config or ce_backward_config()
+    assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
     _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
         logits, lse, targets, grad, out, out_t, T, V, grad_s, BLOCK_T=block_t, BLOCK_V=block_v,
-        ROUND_BF16=round_bf16, FP8=fp8, num_warps=8)
+        ROUND_BF16=round_bf16, FP8=fp8, num_warps=warps)
 
 
 class FP8LMHeadCrossEntropySum(torch.autograd.Function):

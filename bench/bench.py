@@ -337,6 +337,7 @@ def main(argv=None) -> int:
         date=datetime.date.today().isoformat(), command=" ".join([Path(sys.executable).name, *sys.argv]),
         world_size=1, data="synthetic document-structured tokens (log-normal lengths, median 600)",
         dynamic_seq_len=args.dynamic_seq_len, fused_fp8_head=args.fused_fp8_head,
+        ce_backward_tile=list(tg.ce_backward_config()),
         matmul_params=n_params, bf16_peak_tflops=peak / 1e12,
         attn_backend=tg.resolve_attention_backend("auto", "cuda"), fp8=not os.environ.get("DISABLE_FP8"))
     result["cold_start"] = cold
@@ -355,7 +356,8 @@ def main(argv=None) -> int:
     if a.cached_start:
         tmp = out.with_name(out.stem + "_cached_start.json")
         subprocess.run([sys.executable, __file__, "--cold-start-only", "--out", str(tmp), "--data-dir", a.data_dir,
-                        *(["--static"] if a.static else [])], check=True)
+                        *(["--static"] if a.static else []), *(["--unfused-head"] if a.unfused_head else [])],
+                       check=True)
         cold["cached_s"] = json.loads(tmp.read_text())["this_process_s"]
         cold["cached_warm_up_s"] = json.loads(tmp.read_text())["warm_up_s"]
         tmp.unlink()

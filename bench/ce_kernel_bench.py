@@ -1,0 +1,80 @@
+"""Fused softcap/CE backward kernel: tile variants against the unfused path, on one stage-3 micro-batch (GPU).
+
+    python bench/ce_kernel_bench.py --out ce_kernel.json      # prints a table, then `best: BT,BV,W` or `best: unfused`
+
+The unfused path is what the trainer runs with --fused-fp8-head 0: Inductor's kernel for the bf16 softcap/CE
+gradient and its e5m2 cast (compiled), then the tiled transpose_bytes kernel. Every fused variant must produce the
+same e5m2 bytes as the PyTorch reference formula (up to a handful of last-bit flips, share reported) and a
+transpose that is exactly the transposed (T, V) output."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_gpt as tg  # noqa: E402
+
+VARIANTS = [(128, 128, 8), (64, 128, 8), (64, 128, 4), (64, 256, 8), (32, 256, 8), (32, 128, 4), (128, 64, 4)]
+
+
+def main(argv=None) -> int:
+    import triton.testing
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="ce_kernel.json")
+    ap.add_argument("--tokens", type=int, default=49152)
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    T, V = a.tokens, 50304
+    x = tg.norm(torch.randn(T, 768, device="cuda")).bfloat16()
+    w = (torch.randn(V, 768, device="cuda") * 0.05).bfloat16()
+    logits = tg.lm_head_fp8(x, w)
+    lse = torch.exp(30 * torch.sigmoid(logits.float() / 7.5)).sum(-1).log()
+    targets = torch.randint(0, V, (T,), device="cuda")
+    grad = torch.tensor(0.125, device="cuda")
+    ref, _ = tg.softcap_ce_backward_reference(logits, lse, targets, grad, tg.FP8_GRAD_SCALE)
+    ref = ref.view(torch.uint8)
+    unfused_g = torch.compile(lambda *args: tg.softcap_ce_backward_reference(*args)[0], fullgraph=True, dynamic=False)
+
+    def unfused():
+        g = unfused_g(logits, lse, targets, grad, tg.FP8_GRAD_SCALE)
+        return g, tg.transpose_bytes(g)
+    rows = {"unfused": dict(ms=triton.testing.do_bench(unfused, warmup=10, rep=100, return_mode="median"))}
+    g, g_t = unfused()
+    rows["unfused"]["bytes_identical_share"] = (g.view(torch.uint8) == ref).double().mean().item()
+    out, out_t = torch.empty((T, V), dtype=torch.uint8, device="cuda"), torch.empty((V, T), dtype=torch.uint8, device="cuda")
+    for cfg in VARIANTS:
+        def fused(cfg=cfg):
+            tg.launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, tg.FP8_GRAD_SCALE, True, True, cfg)
+        out.fill_(255)
+        out_t.fill_(255)
+        try:
+            fused()
+            torch.cuda.synchronize()
+        except Exception as e:  # a variant that does not compile (shared memory, registers) is reported, not fatal
+            rows[",".join(map(str, cfg))] = dict(error=f"{type(e).__name__}: {e}"[:200])
+            continue
+        rows[",".join(map(str, cfg))] = dict(
+            ms=triton.testing.do_bench(fused, warmup=10, rep=100, return_mode="median"),
+            bytes_identical_share=(out == ref).double().mean().item(),
+            transpose_exact=bool(torch.equal(out_t, out.t().contiguous())))
+    bytes_moved = T * V * (2 + 1 + 1)
+    for name, row in rows.items():
+        if "ms" in row:
+            row["GB_per_s"] = bytes_moved / (row["ms"] * 1e-3) / 1e9
+    ok = {k: v for k, v in rows.items() if k != "unfused" and "ms" in v
+          and v["bytes_identical_share"] > 0.9999 and v["transpose_exact"]}
+    best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
+    choice = best if best and ok[best]["ms"] < rows["unfused"]["ms"] else "unfused"
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=T, vocab=V, rows=rows,
+                  best=choice, command=" ".join(["python3", *sys.argv]))
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    for name, row in rows.items():
+        print(f"{name:>12}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    print(f"best: {choice}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
