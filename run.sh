@@ -24,7 +24,8 @@ launch() {  # launch [train_gpt.py args...]
         for k in 8 4 2 1; do if [ "$n" -ge $k ]; then n=$k; break; fi; done
         echo "run.sh: using $n of the visible GPUs (the trainer supports 1, 2, 4 or 8 per node)" >&2
     fi
-    export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+    export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
+        NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
     "$PY" -m torch.distributed.run --standalone --nproc_per_node="$n" train_gpt.py "$@"
 }
 

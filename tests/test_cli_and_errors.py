@@ -76,7 +76,7 @@ def test_smoke_preset_then_explicit_override_wins():
     b = tg.parse_args(["--model-dim", "192", "--smoke", "--num-heads", "3", "--num-scheduled-iterations", "12"])
     assert (b.model_dim, b.num_heads, b.head_dim) == (192, 3, 64)
     assert b.num_scheduled_iterations == 12 and b.num_extension_iterations == 3
-    assert b.train_bs_schedule == (2048, 4096, 6144)
+    assert b.train_bs_schedule == (1024, 2048, 3072)
     c = tg.parse_args(["--smoke", "false"])
     assert c == tg.Hyperparameters()
 

@@ -103,6 +103,22 @@ def test_fp8_fake_kernels_report_the_real_shapes_and_strides(shape):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
 
 
+def run_in_triton_interpreter(script: str) -> list:
+    """Run a script that prints a JSON list as its last line, in a fresh process with TRITON_INTERPRET=1 (it must be
+    set before triton is imported, so not in this process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 TRANSPOSE_SCRIPT = """
 import json, torch, train_gpt as tg
 assert tg._TRITON_INTERPRET
@@ -118,17 +134,7 @@ print(json.dumps(out))
 
 def test_transpose_bytes_kernel_matches_torch_on_fp8_and_ragged_shapes():
     """The Triton tile transpose (run in the interpreter: TRITON_INTERPRET must be set before triton loads)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    pytest.importorskip("triton")
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    proc = subprocess.run([sys.executable, "-c", TRANSPOSE_SCRIPT], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_in_triton_interpreter(TRANSPOSE_SCRIPT)
     assert len(rows) == 5
     for row in rows:
         assert row["equal"] and row["contiguous"], row
@@ -233,17 +239,7 @@ print(json.dumps(out))
 def test_softcap_ce_backward_kernel_matches_float64_and_writes_both_layouts():
     """The fused Triton backward in the interpreter: fp32 output against float64, its transpose written exactly,
     every element written (NaN-poisoned buffers), ragged tiles masked, e5m2 values as torch rounds them."""
-    import json
-    import os
-    import subprocess
-    import sys
-    pytest.importorskip("triton")
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    proc = subprocess.run([sys.executable, "-c", CE_KERNEL_SCRIPT], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_in_triton_interpreter(CE_KERNEL_SCRIPT)
     assert len(rows) == 4
     for row in rows:
         assert row["rel_err"] < 1e-5, row

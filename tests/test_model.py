@@ -370,13 +370,19 @@ def test_compiled_regions_give_lm_head_its_own_backward_graph_that_runs_before_t
     assert all(p.grad is not None for p in trunk_params)
 
 
-def test_compiled_regions_compute_the_same_loss_and_grads_as_eager():
-    eager, compiled = make_model(seed=5, max_seq_len=128), make_model(seed=5, max_seq_len=128)
-    for m in (eager, compiled):
+def model_pair(seed, max_seq_len, head_seed, attn_fn):
+    """Two identical models (an eager one and one to compile) with a non-zero lm_head, so gradients flow."""
+    pair = make_model(seed=seed, max_seq_len=max_seq_len), make_model(seed=seed, max_seq_len=max_seq_len)
+    head = torch.randn(pair[0].lm_head.weight.shape, generator=torch.Generator().manual_seed(head_seed)).mul(0.02)
+    for m in pair:
         with torch.no_grad():
-            m.lm_head.weight.copy_(torch.randn(m.lm_head.weight.shape, generator=torch.Generator().manual_seed(1))
-                                   .mul(0.02).bfloat16())
-        m.attn_fn = _value_passthrough_attention
+            m.lm_head.weight.copy_(head.bfloat16())
+        m.attn_fn = attn_fn
+    return pair
+
+
+def test_compiled_regions_compute_the_same_loss_and_grads_as_eager():
+    eager, compiled = model_pair(seed=5, max_seq_len=128, head_seed=1, attn_fn=_value_passthrough_attention)
     compiled.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
     inputs, targets, cu = random_batch(128, seed=7)
     losses = [m(inputs, targets, cu, 1, 3, 128) for m in (eager, compiled)]
@@ -457,12 +463,7 @@ def test_attention_params_are_a_fresh_cpu_tensor_of_scale_and_windows_in_tokens(
 def test_one_compiled_graph_serves_every_batch_size_window_and_yarn_scale():
     """With dynamic_seq_len the warm-up's first graph must serve all later stages: a new micro-batch length,
     new windows and a YaRN-updated scale run under fail_on_recompile and give the eager model's loss/grads."""
-    eager, compiled = make_model(seed=11, max_seq_len=512), make_model(seed=11, max_seq_len=512)
-    for m in (eager, compiled):
-        with torch.no_grad():
-            m.lm_head.weight.copy_(torch.randn(m.lm_head.weight.shape, generator=torch.Generator().manual_seed(2))
-                                   .mul(0.02).bfloat16())
-        m.attn_fn = _params_dependent_attention
+    eager, compiled = model_pair(seed=11, max_seq_len=512, head_seed=2, attn_fn=_params_dependent_attention)
     compiled.dynamic_seq_len = True
     compiled.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
     inputs, targets, cu = random_batch(128, seed=12)

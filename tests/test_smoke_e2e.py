@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 def smoke_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smoke")
     # learnable corpus (a few repeated 8-grams over 512 token ids) so the loss visibly falls in 33 steps;
-    # 300k train tokens cover the 141,312 the schedule consumes plus BOS-alignment/truncation waste
+    # 300k train tokens cover the 70,656 the schedule consumes plus BOS-alignment/truncation waste
     build_shards(tmp / "data", train_shards=2, tokens_per_train_shard=150_000, val_tokens=20_000,
                  kind="patterned", seed=0)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
