@@ -132,6 +132,11 @@ def _parse_value(kind, text):
     return kind(text)
 
 
+# The flags' argparse default is None (so that given flags can be told apart); this empty format field keeps
+# ArgumentDefaultsHelpFormatter from appending "(default: None)" after the real default.
+NO_ARGPARSE_DEFAULT = "%(default).0s"
+
+
 def parse_args(argv=None) -> Hyperparameters:
     """Every Hyperparameters field becomes --kebab-case; tuples take comma-separated values."""
     defaults = Hyperparameters()
@@ -143,13 +148,13 @@ def parse_args(argv=None) -> Hyperparameters:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             parser.add_argument(flag, nargs="?", const=True, default=None,
-                                type=lambda s: _parse_value(bool, s), help=f"(default {value})")
+                                type=lambda s: _parse_value(bool, s), help=f"(default {value})" + NO_ARGPARSE_DEFAULT)
         elif isinstance(value, tuple):
             kind = type(value[0])
-            parser.add_argument(flag, default=None, metavar="A,B,...", help=f"(default {','.join(map(str, value))})",
+            parser.add_argument(flag, default=None, metavar="A,B,...", help=f"(default {','.join(map(str, value))})" + NO_ARGPARSE_DEFAULT,
                                 type=lambda s, k=kind: tuple(_parse_value(k, x) for x in s.split(",")))
         else:
-            parser.add_argument(flag, type=type(value), default=None, help=f"(default {value!r})")
+            parser.add_argument(flag, type=type(value), default=None, help=f"(default {value!r})" + NO_ARGPARSE_DEFAULT)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     args = Hyperparameters(**(SMOKE_PRESET if given.get("smoke") else {}))
     args = dataclasses.replace(args, **given)  # explicit flags win over the smoke preset
