@@ -151,7 +151,8 @@ def parse_args(argv=None) -> Hyperparameters:
                                 type=lambda s: _parse_value(bool, s), help=f"(default {value})" + NO_ARGPARSE_DEFAULT)
         elif isinstance(value, tuple):
             kind = type(value[0])
-            parser.add_argument(flag, default=None, metavar="A,B,...", help=f"(default {','.join(map(str, value))})" + NO_ARGPARSE_DEFAULT,
+            parser.add_argument(flag, default=None, metavar="A,B,...",
+                                help=f"(default {','.join(map(str, value))})" + NO_ARGPARSE_DEFAULT,
                                 type=lambda s, k=kind: tuple(_parse_value(k, x) for x in s.split(",")))
         else:
             parser.add_argument(flag, type=type(value), default=None, help=f"(default {value!r})" + NO_ARGPARSE_DEFAULT)
@@ -629,12 +630,15 @@ def fp8_mm_backward_pretransposed(g_f8: Tensor, g_f8_t: Tensor, x_f8_t: Tensor, 
 
 @fp8_mm_backward_pretransposed.register_fake
 def _(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
-    return (g_f8.new_empty((g_f8.size(0), w_f8_t.size(0)), dtype=torch.bfloat16),
-            g_f8.new_empty((x_f8_t.size(0), g_f8.size(1)), dtype=torch.float32).T)
+    return _fp8_grads_fake(g_f8, x_f8_t, w_f8_t)
 
 
 @fp8_mm_backward.register_fake
 def _(g_f8, x_f8_t, w_f8_t, x_s, w_s, grad_s):
+    return _fp8_grads_fake(g_f8, x_f8_t, w_f8_t)
+
+
+def _fp8_grads_fake(g_f8, x_f8_t, w_f8_t):
     # grad_w is the transpose of a contiguous (768, vocab) result: same strides as the real kernel's output.
     return (g_f8.new_empty((g_f8.size(0), w_f8_t.size(0)), dtype=torch.bfloat16),
             g_f8.new_empty((x_f8_t.size(0), g_f8.size(1)), dtype=torch.float32).T)
@@ -656,7 +660,7 @@ def _fp8_mm_backward_rule(ctx, grad_out, *_):
     # eagerly inside the op, the passes over the (T, 50304) gradient cost about a fifth of a stage-3 step
     # (profile of 2026-11-22). The gradient's transpose stays inside the op (transpose_bytes), on 1-byte data.
     # (.float(): one rounding, fp32 -> e5m2, the same in eager and compiled mode; free once fused)
-    g_f8 = grad_out.float().div(grad_s).to(torch.float8_e5m2)
+    g_f8 = quantize_e5m2(grad_out, grad_s)
     grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(g_f8, x_f8.t().contiguous(), w_f8.t().contiguous(),
                                                         x_s, w_s, grad_s)
     return grad_x, grad_w, None, None, None
@@ -667,6 +671,31 @@ fp8_mm.register_autograd(_fp8_mm_backward_rule, setup_context=_fp8_mm_setup_cont
 
 def lm_head_fp8(x: Tensor, w: Tensor) -> Tensor:
     return torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[0]
+
+
+def quantize_e5m2(g: Tensor, grad_s: float) -> Tensor:
+    """The FP8 backward's gradient operand: e5m2(g / grad_s), one rounding from fp32."""
+    return (g.float() / grad_s).to(torch.float8_e5m2)
+
+
+# --- softcapped cross-entropy, z = 30·sigmoid(logits/7.5): the math both training heads share ---------------------
+# The softcap bounds every logit to (0, 30), so the log-sum-exp needs no max subtraction (50304·e^30 ≈ 5e17, far
+# below fp32's 3e38): one pass over the (T, 50304) logits. The softcapped logits are never stored: the target's
+# term is gathered from the raw logits and the backward recomputes the softcap (the one-hot as a comparison).
+
+def softcap_ce_forward(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum over tokens of CE(30·sigmoid(logits/7.5), targets), per-token log-sum-exp), both fp32."""
+    lse = torch.exp(30 * torch.sigmoid(logits.float() / 7.5)).sum(dim=-1).log()
+    z_target = 30 * torch.sigmoid(logits.gather(1, targets[:, None]).squeeze(1).float() / 7.5)
+    return (lse - z_target).sum(), lse
+
+
+def softcap_ce_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor) -> Tensor:
+    """grad · d(softcap_ce_forward's sum)/d logits in fp32: grad·(softmax(z) - onehot)·4·s(1-s), s = sigmoid."""
+    s = torch.sigmoid(logits.float() / 7.5)
+    probs = torch.exp(30 * s - lse[:, None])
+    is_target = torch.arange(logits.size(1), device=logits.device)[None, :] == targets[:, None]
+    return grad * (probs - is_target.float()) * 4 * s * (1 - s)
 
 
 # --- fused backward of softcap + cross-entropy + FP8 gradient quantisation --------------------------------------
@@ -687,11 +716,7 @@ def softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tens
 
 def softcap_ce_backward_reference(logits, lse, targets, grad, grad_s: float) -> tuple[Tensor, Tensor]:
     """The same in PyTorch ops (CPU path; what the unfused head computes): bf16 gradient, /grad_s, e5m2."""
-    s = torch.sigmoid(logits.float() / 7.5)
-    probs = torch.exp(30 * s - lse[:, None])
-    is_target = torch.arange(logits.size(1), device=logits.device)[None, :] == targets[:, None]
-    g = (grad * (probs - is_target.float()) * 4 * s * (1 - s)).to(torch.bfloat16)
-    g_f8 = (g.float() / grad_s).to(torch.float8_e5m2)
+    g_f8 = quantize_e5m2(softcap_ce_grad(logits, lse, targets, grad).to(torch.bfloat16), grad_s)
     return g_f8, g_f8.t().contiguous()
 
 
@@ -704,20 +729,15 @@ def _(logits, lse, targets, grad, grad_s):
 # Tile of the fused backward: (BLOCK_T, BLOCK_V, num_warps). H100, 49152 x 50304 bf16 logits (bench/ce_kernel_bench.py,
 # 2026-11-22): 32x128 with 4 warps 4.27 ms (2.3 TB/s of the 4 bytes/element moved), 64x128/8 4.59, 128x64/4 4.51,
 # 128x128/8 5.49 (register spills); the unfused path (Inductor kernel + cast + transpose) 6.33 ms.
-# SPEEDRUN_CE_BWD_CONFIG="BT,BV,W" overrides it.
-CE_BACKWARD_CONFIG = (32, 128, 4)
-
-
-def ce_backward_config() -> tuple:
-    env = os.environ.get("SPEEDRUN_CE_BWD_CONFIG")
-    return tuple(int(v) for v in env.split(",")) if env else CE_BACKWARD_CONFIG
+# SPEEDRUN_CE_BWD_CONFIG="BT,BV,W" (read at import) overrides it.
+CE_BACKWARD_CONFIG = tuple(int(v) for v in os.environ.get("SPEEDRUN_CE_BWD_CONFIG", "32,128,4").split(","))
 
 
 def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool,
                                config: tuple = None):
     """Run _softcap_ce_backward_kernel; out (T, V) and out_t (V, T) are uint8 (fp8=True) or float32 buffers."""
     T, V = logits.shape
-    block_t, block_v, warps = config or ce_backward_config()
+    block_t, block_v, warps = config or CE_BACKWARD_CONFIG
     assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
     _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
         logits, lse, targets, grad, out, out_t, T, V, grad_s, BLOCK_T=block_t, BLOCK_V=block_v,
@@ -735,10 +755,9 @@ class FP8LMHeadCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
         logits, x_f8, w_f8 = torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
-        lse = torch.exp(30 * torch.sigmoid(logits.float() / 7.5)).sum(dim=-1).log()
-        z_target = 30 * torch.sigmoid(logits.gather(1, targets[:, None]).squeeze(1).float() / 7.5)
+        loss, lse = softcap_ce_forward(logits, targets)
         ctx.save_for_backward(logits, targets, lse, x_f8, w_f8)
-        return (lse - z_target).sum()
+        return loss
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -1126,30 +1145,20 @@ def tag(p: nn.Parameter, label: str, lr_mul: float = 1.0) -> nn.Parameter:
 
 
 class SoftcappedCrossEntropySum(torch.autograd.Function):
-    """sum over tokens of cross_entropy(30·sigmoid(logits/7.5)), in fp32: F.cross_entropy's function, cheaper.
-
-    The softcap bounds every logit to (0, 30), so the log-sum-exp needs no max subtraction (50304·e^30 ≈ 5e17,
-    far below fp32's 3e38): the forward is one pass over the (T, 50304) logits instead of a max pass and a sum
-    pass, and these passes are bound by the sigmoid/exp units, not by memory. The softcapped logits are never
-    stored: the target's term is gathered from the raw logits, and the hand-written backward recomputes the
-    softcap from them in one elementwise pass (the one-hot as a comparison, no dense scatter). Dynamo traces
-    both methods into the compiled graphs."""
+    """sum over tokens of cross_entropy(30·sigmoid(logits/7.5)), in fp32: F.cross_entropy's function, cheaper
+    (softcap_ce_forward: no max pass, no stored softcapped logits). Its backward returns the gradient in the logits'
+    dtype. Dynamo traces both methods into the compiled graphs."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
-        lse = torch.exp(30 * torch.sigmoid(logits.float() / 7.5)).sum(dim=-1).log()
-        z_target = 30 * torch.sigmoid(logits.gather(1, targets[:, None]).squeeze(1).float() / 7.5)
+        loss, lse = softcap_ce_forward(logits, targets)
         ctx.save_for_backward(logits, targets, lse)
-        return (lse - z_target).sum()
+        return loss
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         logits, targets, lse = ctx.saved_tensors
-        s = torch.sigmoid(logits.float() / 7.5)
-        probs = torch.exp(30 * s - lse[:, None])
-        is_target = torch.arange(logits.size(1), device=logits.device)[None, :] == targets[:, None]
-        grad_z = grad * (probs - is_target.float())
-        return (grad_z * 4 * s * (1 - s)).to(logits.dtype), None  # dz/dlogits = 30·s(1-s)/7.5
+        return softcap_ce_grad(logits, lse, targets, grad).to(logits.dtype), None
 
 
 def softcapped_cross_entropy_sum(logits: Tensor, targets: Tensor) -> Tensor:
@@ -1943,8 +1952,9 @@ class Trainer:
                 self.train_step(k, batches, (batch_size, a.train_max_seq_len, self.grad_accum_steps), long // 2, long,
                                 micro_batches=1)
             synchronize(self.device)
-            self.warm_up_times.append((f"train batch {batch_size} window {long}", time.time() - t))
-            self.console(f"warm-up: train steps for batch {batch_size}, window {long}: {time.time() - t:.1f}s "
+            seconds = time.time() - t
+            self.warm_up_times.append((f"train batch {batch_size} window {long}", seconds))
+            self.console(f"warm-up: train steps for batch {batch_size}, window {long}: {seconds:.1f}s "
                          f"({compiled_graph_count()} graphs compiled so far)")
         if self.adam.should_sync:
             self.adam.step()  # an odd number of warm-up steps leaves reduce-scatters in flight
@@ -1957,8 +1967,9 @@ class Trainer:
             previous = long
             t = time.time()
             self.evaluate(short, long, max_steps=1)
-            self.warm_up_times.append((f"eval windows {short},{long}", time.time() - t))
-            self.console(f"warm-up: eval for windows ({short}, {long}): {time.time() - t:.1f}s "
+            seconds = time.time() - t
+            self.warm_up_times.append((f"eval windows {short},{long}", seconds))
+            self.console(f"warm-up: eval for windows ({short}, {long}): {seconds:.1f}s "
                          f"({compiled_graph_count()} graphs compiled so far)")
         self.model.train()
         self.model.yarn.reset()
@@ -2225,7 +2236,8 @@ def run(args: Hyperparameters) -> None:
     gpu_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     log(f'Run config: world_size={world_size} grad_accum_steps={grad_accum_steps} device={device} '
         f'attn_backend={backend} orthogonalizer={args.orthogonalizer} fp8={int(use_fp8)} '
-        f'compile={int(use_compile)} dynamic_seq_len={int(model_dynamic)} data_path={args.data_path} train_epochs={args.train_epochs} '
+        f'compile={int(use_compile)} dynamic_seq_len={int(model_dynamic)} data_path={args.data_path} '
+        f'train_epochs={args.train_epochs} '
         f'seed={args.seed} gpu_name="{gpu_name}"', console=False)
     if args.train_epochs > 1:
         log(f"note: the loader cycles over the training shards {args.train_epochs} times (--train-epochs)")

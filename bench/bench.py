@@ -337,7 +337,7 @@ def main(argv=None) -> int:
         date=datetime.date.today().isoformat(), command=" ".join([Path(sys.executable).name, *sys.argv]),
         world_size=1, data="synthetic document-structured tokens (log-normal lengths, median 600)",
         dynamic_seq_len=args.dynamic_seq_len, fused_fp8_head=args.fused_fp8_head,
-        ce_backward_tile=list(tg.ce_backward_config()),
+        ce_backward_tile=list(tg.CE_BACKWARD_CONFIG),
         matmul_params=n_params, bf16_peak_tflops=peak / 1e12,
         attn_backend=tg.resolve_attention_backend("auto", "cuda"), fp8=not os.environ.get("DISABLE_FP8"))
     result["cold_start"] = cold
