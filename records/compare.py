@@ -59,7 +59,8 @@ PY_RE = re.compile(r"^Running Python (.+?)\s*$")
 TORCH_RE = re.compile(r"^Running PyTorch (\S+) compiled for CUDA (\S+)\s*$")
 TRITON_RE = re.compile(r"^Running Triton version (.+?)\s*$")
 CONFIG_RE = re.compile(r"^Run config:\s*(.*)$")
-WARMUP_RE = re.compile(rf"^Kernel warm-up done in ({_NUM})s \(process start to timed loop: ({_NUM})s\)")
+# (newer logs add "; N compiled graphs" before the closing parenthesis)
+WARMUP_RE = re.compile(rf"^Kernel warm-up done in ({_NUM})s \(process start to timed loop: ({_NUM})s[;)]")
 SMI_GPU_RE = re.compile(r"^\|\s+(\d+)\s+(.+?)\s+(?:On|Off)\s+\|")
 
 

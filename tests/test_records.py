@@ -105,6 +105,13 @@ def test_parse_upstream_run2_exact():
     assert r.val[1][:4] == (250, 2160, 4.3032, 8385)
 
 
+def test_parse_warm_up_line_with_compiled_graph_count():
+    text = make_log().replace("(process start to timed loop: 101.5s)",
+                              "(process start to timed loop: 101.5s; 19 compiled graphs)")
+    r = rc.parse_text(text, Path("new.txt"))
+    assert (r.warmup_s, r.startup_s) == (93.2, 101.5)
+
+
 def test_parse_our_cpu_format():
     r = rc.parse_log(CPU)
     assert r.device == "cpu" and r.n_procs == 2
