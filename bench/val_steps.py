@@ -15,6 +15,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "records"))
 import compare  # noqa: E402
 
 
+def load_finished_runs(specs) -> tuple[list, list]:
+    """compare.load_runs over log files and folders, where a folder's console copies of its runs (names with
+    "console": the same lines again) and profiles (*_profile.txt) are not runs."""
+    files = []
+    for spec in specs:
+        p = Path(spec)
+        files += [str(f) for f in sorted(p.glob("*.txt")) if "console" not in f.name
+                  and not f.name.endswith("_profile.txt")] if p.is_dir() else [spec]
+    return compare.load_runs(files)
+
+
 def losses_by_step(runs) -> dict:
     """{step: [loss of every run that validated at that step]}, steps in order."""
     table = {}
@@ -59,10 +70,7 @@ def main(argv=None) -> int:
         ap.error("give one or two folders")
     sets, result = [], {}
     for d in a.dirs:
-        # a folder may also hold the runs' console copies (console*.txt): the same lines again, so not runs
-        logs = [str(f) for f in sorted(Path(d).glob("*.txt")) if not f.name.startswith("console")] \
-            if Path(d).is_dir() else [d]
-        runs, skipped = compare.load_runs(logs)
+        runs, skipped = load_finished_runs([d])
         for path, why in skipped:
             print(f"skipped {path}: {why}", file=sys.stderr)
         if not runs:

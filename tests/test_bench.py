@@ -81,3 +81,26 @@ def test_bench_without_cuda_fails_with_one_line(capsys):
     assert bench.main(["--out", "/nonexistent/x.json"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "CUDA" in err[0]
+
+
+def test_run_summary_reads_finished_logs_and_leaves_out_console_copies_and_profiles(tmp_path):
+    """bench/run_summary.py: stage throughput from the validation lines at the stage boundaries; the console copy
+    of a run, a profile and an unfinished log are not counted as runs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_records import make_log
+    import run_summary
+    log = make_log(loss=2.9, time_ms=96_000.0, total=96, val_every=30)  # 1 s per step, validations at 0/30/60/90/96
+    (tmp_path / "w1_seed1.txt").write_text(log)
+    (tmp_path / "console_seed1.txt").write_text(log)
+    (tmp_path / "w1_seed1_profile.txt").write_text("profile (step 75)\n")
+    (tmp_path / "w1_seed2.txt").write_text(make_log(total=96, val_every=30, finish=False))
+    out = tmp_path / "summary.json"
+    assert run_summary.main([str(tmp_path), "--json", str(out)]) == 0
+    import json
+    rows = json.loads(out.read_text())
+    assert [r["log"] for r in rows] == ["w1_seed1.txt"]
+    r = rows[0]
+    assert r["val_loss"]["96"] == 2.9 and r["warm_up_s"] == 93.2 and r["peak_allocated_mib"] == 30000
+    for i, tokens in enumerate((131072, 262144, 393216), start=1):
+        assert r[f"stage{i}_ms_per_step"] == pytest.approx(1000.0)
+        assert r[f"stage{i}_tokens_per_s"] == pytest.approx(tokens)
