@@ -98,7 +98,7 @@ class Hyperparameters:
     run_id: str = ""                      # default: a random UUID4
     seed: int = -1                        # -1: no seeding, like the record (rank 0's init is broadcast)
     device: str = "auto"                  # auto | cuda | cpu
-    attn_backend: str = "auto"            # auto | fa3 | varlen | reference
+    attn_backend: str = "auto"            # auto | fa3 | fa4 | varlen | reference
     compile: str = "auto"                 # auto (on for CUDA) | on | off
     log_dir: str = "logs"
     profile_step: int = -1                # >= 0: profile that training step, write <log_dir>/<run_id>_profile.txt
@@ -172,8 +172,8 @@ def validate_args(args: Hyperparameters):
         if not cond:
             raise ConfigError(msg)
     need(args.orthogonalizer in ("polar", "turbo"), f"--orthogonalizer must be polar or turbo, got {args.orthogonalizer!r}")
-    need(args.attn_backend in ("auto", "fa3", "varlen", "reference"),
-         f"--attn-backend must be auto, fa3, varlen or reference, got {args.attn_backend!r}")
+    need(args.attn_backend in ("auto", "fa3", "fa4", "varlen", "reference"),
+         f"--attn-backend must be auto, fa3, fa4, varlen or reference, got {args.attn_backend!r}")
     need(args.device in ("auto", "cuda", "cpu"), f"--device must be auto, cuda or cpu, got {args.device!r}")
     need(args.compile in ("auto", "on", "off"), f"--compile must be auto, on or off, got {args.compile!r}")
     need(args.model_dim == args.num_heads * args.head_dim,
@@ -582,8 +582,18 @@ FP8_W_SCALE = 2.0 ** -9
 FP8_GRAD_SCALE = 1.0 / 448
 
 
+_SCALE_TENSORS = {}
+
+
 def _scale_tensor(value: float, like: Tensor) -> Tensor:
-    return torch.tensor(value, dtype=torch.float32, device=like.device)
+    """The scale as a device scalar, made once per (value, device): torch.tensor(value, device="cuda") is a
+    blocking host-to-device copy, and six of them per micro-batch (two in the forward, four in the backward)
+    stalled the CPU until the GPU had drained its queue, leaving the GPU idle while the next kernels were
+    launched (~20 ms per stage-3 step on an H100, profile of 2026-11-22)."""
+    key = (value, like.device)
+    if key not in _SCALE_TENSORS:
+        _SCALE_TENSORS[key] = torch.tensor(value, dtype=torch.float32, device=like.device)
+    return _SCALE_TENSORS[key]
 
 
 @torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
@@ -1308,7 +1318,65 @@ def attention_fa3(q, k, v, cu_seqlens, max_seqlen, params, which):
                                        softmax_scale=scale, window_size=(window, 0))
 
 
-ATTENTION_BACKENDS = {"fa3": attention_fa3, "varlen": attention_varlen, "reference": attention_reference}
+# FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels) behind the same
+# kind of custom op as the varlen backend: window and scale are runtime arguments of its kernels (only whether a
+# window exists is in its compile key), so one compiled kernel pair serves every stage. Imported on request.
+_FA4 = None
+
+
+@torch.library.custom_op("speedrun::fa4_varlen", mutates_args=())
+def fa4_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
+               which: int) -> tuple[Tensor, Tensor]:
+    scale, window = attention_scalars(params, which)
+    out, lse, *_ = _FA4._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale,
+                                        causal=True, window_size_left=window, window_size_right=0, return_lse=True)
+    return out, lse
+
+
+@fa4_varlen.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, params, which):
+    return torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32)
+
+
+@torch.library.custom_op("speedrun::fa4_varlen_backward", mutates_args=())
+def fa4_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        cu_seqlens: Tensor, max_seqlen: int, params: Tensor, which: int) -> tuple[Tensor, Tensor, Tensor]:
+    scale, window = attention_scalars(params, which)
+    dq, dk, dv = _FA4._flash_attn_bwd(q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window,
+                                      window_size_right=0, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                      max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+    return dq, dk, dv
+
+
+@fa4_varlen_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, params, which):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fa4_varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, params, which = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, params)
+    ctx.max_seqlen, ctx.which = max_seqlen, which
+
+
+def _fa4_varlen_backward_rule(ctx, grad_out, *_):
+    q, k, v, out, lse, cu_seqlens, params = ctx.saved_tensors
+    dq, dk, dv = torch.ops.speedrun.fa4_varlen_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens,
+                                                        ctx.max_seqlen, params, ctx.which)
+    return dq, dk, dv, None, None, None, None
+
+
+fa4_varlen.register_autograd(_fa4_varlen_backward_rule, setup_context=_fa4_varlen_setup_context)
+
+
+def attention_fa4(q, k, v, cu_seqlens, max_seqlen, params, which):
+    return torch.ops.speedrun.fa4_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
+
+
+ATTENTION_BACKENDS = {"fa3": attention_fa3, "fa4": attention_fa4, "varlen": attention_varlen,
+                      "reference": attention_reference}
 ATTENTION_STATIC_PARAMS = ("fa3",)  # backends that need Python numbers (one compiled graph per window pair)
 
 
@@ -1338,6 +1406,15 @@ def resolve_attention_backend(requested: str, device_type: str) -> str:
             if requested == "fa3":
                 raise ConfigError(f"--attn-backend fa3 unavailable ({type(e).__name__}: {e}); "
                                   "pip install kernels (needs network) or use --attn-backend varlen") from None
+    if requested == "fa4":
+        try:
+            global _FA4
+            import flash_attn.cute.interface as fa4_interface
+            _FA4 = fa4_interface
+            return "fa4"
+        except Exception as e:
+            raise ConfigError(f"--attn-backend fa4 unavailable ({type(e).__name__}: {e}); "
+                              "pip install flash-attn-4 (Hopper or Blackwell) or use --attn-backend varlen") from None
     if requested in ("auto", "varlen"):
         if varlen_available():
             return "varlen"
@@ -1701,6 +1778,15 @@ class ShardLoader:
         return result["value"]
 
 
+def to_device(batch: tuple, device: str) -> tuple:
+    """Asynchronous copies of a micro-batch. From pageable memory a "non_blocking" copy is staged by the driver,
+    which may wait on the stream; from pinned memory it is a plain DMA queued behind the running kernels. PyTorch's
+    caching host allocator reuses a pinned block only after the copy that read it has completed."""
+    if device != "cuda":
+        return tuple(t.to(device) for t in batch)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
+
+
 def distributed_data_generator(files: list, batch_size: int, max_seq_len: int, grad_accum_steps: int,
                                rank: int, world_size: int, epochs: int = 1, device: str = "cpu"):
     """Yields (inputs int32, targets int64, cu_seqlens int32) for this rank's next micro-batch.
@@ -1724,7 +1810,7 @@ def distributed_data_generator(files: list, batch_size: int, max_seq_len: int, g
         lengths[-1] -= 1  # the last token is only a target
         cu = pack_cu_seqlens(lengths, num_tokens, max_docs)
         batch = (buf[:-1].to(torch.int32), buf[1:].to(torch.int64), cu)
-        new = yield tuple(t.to(device, non_blocking=True) for t in batch)
+        new = yield to_device(batch, device)
         if new is not None:
             batch_size, max_seq_len, grad_accum_steps = new
             if batch_size % (grad_accum_steps * world_size):
@@ -1746,7 +1832,7 @@ def validation_batches(path, val_batch_size: int, val_tokens: int, grad_accum_st
         starts = np.flatnonzero(inputs.numpy() == BOS_ID)
         lengths = np.diff(np.concatenate([[0], starts[starts > 0], [num_tokens]])).tolist()
         cu = pack_cu_seqlens(lengths, num_tokens, max_docs)
-        yield tuple(t.to(device, non_blocking=True) for t in (inputs.to(torch.int32), buf[1:].to(torch.int64), cu))
+        yield to_device((inputs.to(torch.int32), buf[1:].to(torch.int64), cu), device)
 
 
 # =====================================================================================
@@ -2061,6 +2147,21 @@ def _intersection_length(a_intervals, b_intervals) -> float:
     return _union_length(a_intervals) + _union_length(b_intervals) - _union_length(a_intervals + b_intervals)
 
 
+HOST_WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                   "cudaMemcpyAsync")
+
+
+def host_wait_summary(prof) -> str:
+    """Calls and CPU time of the runtime calls that can stall the CPU. Memcpys are listed because a copy from
+    pageable memory (or a blocking one) waits for the stream; any synchronize in a training step is a bug."""
+    found = {}
+    for e in prof.events():
+        if e.name in HOST_WAIT_CALLS:
+            n, ms = found.get(e.name, (0, 0.0))
+            found[e.name] = (n + 1, ms + (e.time_range.end - e.time_range.start) / 1e3)
+    return ", ".join(f"{name} {n}x {ms:.2f} ms" for name, (n, ms) in sorted(found.items())) or "none"
+
+
 def summarize_profile(prof, title: str) -> str:
     """Communication vs compute on the GPU timeline of one step: busy time of each, their overlap, and the
     start/duration of every NCCL kernel relative to the first kernel of the step."""
@@ -2074,7 +2175,9 @@ def summarize_profile(prof, title: str) -> str:
     span = max(k[2] for k in kernels) - t0
     out = [f"profile ({title}); times in ms from the step's first GPU kernel",
            f"GPU span {span:.2f}  compute busy {_union_length(compute):.2f}  communication busy {_union_length(comm):.2f}  "
-           f"communication overlapped with compute {_intersection_length(comm, compute):.2f}",
+           f"communication overlapped with compute {_intersection_length(comm, compute):.2f}  "
+           f"idle {span - _union_length(compute + comm):.2f}",
+           "host waits (CUDA runtime calls that block the CPU): " + host_wait_summary(prof),
            "", "NCCL kernels: start  duration  overlapped-with-compute  name"]
     for n, a, b in sorted((k for k in kernels if "nccl" in k[0].lower()), key=lambda k: k[1]):
         out.append(f"  {a - t0:9.2f} {b - a:8.3f} {_intersection_length([(a, b)], compute):8.3f}  {n[:90]}")

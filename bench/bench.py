@@ -148,6 +148,10 @@ def format_table(result: dict) -> str:
                  f"(warm-up {c['warm_up_s']:.1f}s; Inductor cache {'present' if c['cache_present_at_start'] else 'empty'} "
                  f"at start, {c['cache_mb_after']:.0f} MB after)"
                  + (f"; with that cache: {c['cached_s']:.1f}s" if c.get("cached_s") is not None else ""))
+    if "host_syncs_in_a_stage3_step" in result:
+        h = result["host_syncs_in_a_stage3_step"]
+        lines.append(f"attention {result.get('attn_backend', '?')}; synchronising CUDA calls in a stage-3 step: "
+                     f"{h['count']}" + (f" (first: {h['first'][0]})" if h["first"] else ""))
     if "optimizers" in result:
         o = result["optimizers"]
         lines.append(f"NorMuon step alone {o['normuon_ms']:.2f} ms; DistAdam step alone {o['distadam_ms']:.2f} ms")
@@ -249,6 +253,26 @@ def measure_orthogonalizer(muon, svd_matrices: int = 4) -> dict:
     return results
 
 
+def count_host_syncs(trainer, args) -> dict:
+    """Synchronising CUDA calls PyTorch reports (torch.cuda.set_sync_debug_mode) during one stage-3 step: a step
+    should have none, because the CPU must stay ahead of the GPU to keep it busy."""
+    import warnings
+    bs, long = args.train_bs_schedule[-1], args.ws_schedule[-1]
+    batches = trainer.new_batches(bs)
+    trainer.train_step(0, batches, None, long // 2, long, trainer.grad_accum_steps)  # fill the loader
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught, tg.no_compiles_allowed():
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step(1, batches, None, long // 2, long, trainer.grad_accum_steps)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    syncs = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message).lower()]
+    return dict(count=len(syncs), first=syncs[:3])
+
+
 def measure_profile(trainer, args, out_path: Path) -> str:
     bs, long = args.train_bs_schedule[-1], args.ws_schedule[-1]
     batches = trainer.new_batches(bs)
@@ -263,12 +287,13 @@ def measure_profile(trainer, args, out_path: Path) -> str:
     return text
 
 
-def bench_args(data_dir: Path, seed: int, dynamic_seq_len: bool = True, fused_fp8_head: bool = True) -> tg.Hyperparameters:
+def bench_args(data_dir: Path, seed: int, dynamic_seq_len: bool = True, fused_fp8_head: bool = True,
+               attn_backend: str = "auto") -> tg.Hyperparameters:
     """The record's hyperparameters; only the data (synthetic, cycled) and the val set (one batch) differ."""
     defaults = tg.Hyperparameters()
     return dataclasses.replace(defaults, data_path=str(data_dir), seed=seed, train_epochs=100,
                                val_tokens=defaults.val_batch_size, dynamic_seq_len=dynamic_seq_len,
-                               fused_fp8_head=fused_fp8_head)
+                               fused_fp8_head=fused_fp8_head, attn_backend=attn_backend)
 
 
 def compile_report() -> dict:
@@ -301,6 +326,8 @@ def main(argv=None) -> int:
                     help="compile one graph per batch-size stage (dynamic_seq_len off): the A/B control")
     ap.add_argument("--unfused-head", action="store_true",
                     help="lm_head_fp8 + softcapped CE instead of the fused FP8 head (A/B control)")
+    ap.add_argument("--attn-backend", default="auto", choices=("auto", "fa3", "fa4", "varlen"),
+                    help="attention kernels (train_gpt.py's --attn-backend)")
     ap.add_argument("--stages-only", action="store_true",
                     help="cold start and per-stage timings only (no optimizer, orthogonalizer, profile)")
     a = ap.parse_args(argv)
@@ -309,7 +336,8 @@ def main(argv=None) -> int:
         return 2
     cache = inductor_cache_dir()
     cache_present = folder_mb(cache) > 1.0
-    args = bench_args(Path(a.data_dir), seed=1234, dynamic_seq_len=not a.static, fused_fp8_head=not a.unfused_head)
+    args = bench_args(Path(a.data_dir), seed=1234, dynamic_seq_len=not a.static, fused_fp8_head=not a.unfused_head,
+                      attn_backend=a.attn_backend)
     t_data = time.time()
     make_synthetic_shards(Path(a.data_dir), train_tokens=60_000_000, val_tokens=args.val_batch_size + 1)
     data_s = time.time() - t_data  # the benchmark's own synthetic data: not part of the trainer's cold start
@@ -339,10 +367,11 @@ def main(argv=None) -> int:
         dynamic_seq_len=args.dynamic_seq_len, fused_fp8_head=args.fused_fp8_head,
         ce_backward_tile=list(tg.CE_BACKWARD_CONFIG),
         matmul_params=n_params, bf16_peak_tflops=peak / 1e12,
-        attn_backend=tg.resolve_attention_backend("auto", "cuda"), fp8=not os.environ.get("DISABLE_FP8"))
+        attn_backend={fn: name for name, fn in tg.ATTENTION_BACKENDS.items()}[trainer.model.attn_fn], fp8=not os.environ.get("DISABLE_FP8"))
     result["cold_start"] = cold
     result["timed_steps_recompiles"] = "none: every timed step ran under train_gpt.no_compiles_allowed()"
     result["stages"] = measure_stages(trainer, args, a.steps, n_params, peak)
+    result["host_syncs_in_a_stage3_step"] = count_host_syncs(trainer, args)
     out.write_text(json.dumps(result, indent=1))  # partial results survive a later failure
     if a.stages_only:
         print(format_table(result))
@@ -356,6 +385,7 @@ def main(argv=None) -> int:
     if a.cached_start:
         tmp = out.with_name(out.stem + "_cached_start.json")
         subprocess.run([sys.executable, __file__, "--cold-start-only", "--out", str(tmp), "--data-dir", a.data_dir,
+                        "--attn-backend", a.attn_backend,
                         *(["--static"] if a.static else []), *(["--unfused-head"] if a.unfused_head else [])],
                        check=True)
         cold["cached_s"] = json.loads(tmp.read_text())["this_process_s"]

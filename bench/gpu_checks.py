@@ -4,7 +4,8 @@
 
 Checks, each against a higher-precision reference on the same GPU:
   * FP8 lm_head op (forward, dX, dW) vs a float32 matmul
-  * attention backends (PyTorch varlen_attn, FA3 when installed) vs the plain-PyTorch reference, fwd + bwd
+  * attention backends (PyTorch varlen_attn, FA3 / FA4 when installed) vs the plain-PyTorch reference, fwd + bwd;
+    their speed on a stage-3 micro-batch (attention_speed)
   * the three Triton kernels vs float32 torch matmuls on the real shapes
   * Polar Express vs Turbo-Muon on the real parameter stacks: time and error vs the float64 SVD polar factor
 """
@@ -15,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -108,11 +110,22 @@ def check_attention(results):
     T, H, D = 4096, 6, 128
     cu = random_docs(T, 1500, "cuda")
     backends = {"varlen": tg.attention_varlen} if tg.varlen_available() else {}
-    try:
-        tg.resolve_attention_backend("fa3", "cuda")
-        backends["fa3"] = tg.attention_fa3
-    except tg.ConfigError as e:
-        results["attention_fa3"] = f"unavailable: {e}"
+    for name in ("fa3", "fa4"):
+        try:
+            tg.resolve_attention_backend(name, "cuda")
+            backends[name] = tg.ATTENTION_BACKENDS[name]
+        except tg.ConfigError as e:
+            results[f"attention_{name}"] = f"unavailable: {e}"
+    if "fa4" in backends:  # the CuTe DSL compiles its kernels at the first call: the cold-start cost
+        q, k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        params = torch.tensor([[0.12, 384], [0.12, 384]], dtype=torch.float64)
+        t = time.time()
+        out = tg.attention_fa4(q, k, v, cu, 2048, params, 1)
+        torch.cuda.synchronize()
+        t_fwd = time.time() - t
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        results["attention_fa4_first_call_s"] = dict(forward=t_fwd, backward=time.time() - t - t_fwd)
     for window in (384, 1408):
         q, k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         g = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
@@ -120,7 +133,7 @@ def check_attention(results):
         ref = tg.attention_reference(q, k, v, cu, 1500, params, 1)
         ref_grads = torch.autograd.grad(ref, (q, k, v), g)
         for name, fn in backends.items():
-            out = fn(q, k, v, cu, 2048, params if name == "varlen" else ((0.12, window),) * 2, 1)
+            out = fn(q, k, v, cu, 2048, params if name != "fa3" else ((0.12, window),) * 2, 1)
             grads = torch.autograd.grad(out, (q, k, v), g)
             results[f"attention_{name}_w{window}"] = dict(
                 out_rel_err=rel(out, ref), dq_rel_err=rel(grads[0], ref_grads[0]),
@@ -135,6 +148,38 @@ def check_attention(results):
                     dk_dv_bit_identical_to_torch_varlen_attn=bool(torch.equal(grads[1], pub_grads[1])
                                                                   and torch.equal(grads[2], pub_grads[2])),
                     dq_rel_diff_to_torch_varlen_attn=rel(grads[0], pub_grads[0]))
+
+
+def check_attention_speed(results):
+    """Forward and forward+backward time of each available backend on one stage-3 micro-batch (49,152 tokens of
+    log-normal documents, 6 heads of 128) at the stage-3 windows (640 and 1408 tokens)."""
+    import numpy as np
+    T, H, D = 49152, 6, 128
+    rng = np.random.default_rng(0)
+    lengths, total = [], 0
+    while total < T:
+        n = min(int(np.clip(rng.lognormal(np.log(600), 1.0), 16, 2048)), T - total)
+        lengths.append(n)
+        total += n
+    cu = tg.pack_cu_seqlens(lengths, T, tg.max_num_docs_for(T)).cuda()
+    backends = {"varlen": tg.attention_varlen}
+    try:
+        tg.resolve_attention_backend("fa4", "cuda")
+        backends["fa4"] = tg.attention_fa4
+    except tg.ConfigError as e:
+        results["attention_speed_fa4"] = f"unavailable: {e}"
+    q, k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    for window in (640, 1408):
+        params = torch.tensor([[0.12, window], [0.12, window]], dtype=torch.float64)
+        for name, fn in backends.items():
+            def fwd():
+                with torch.no_grad():
+                    fn(q, k, v, cu, 2048, params, 1)
+
+            def fwd_bwd():
+                torch.autograd.grad(fn(q, k, v, cu, 2048, params, 1), (q, k, v), g)
+            results[f"attention_speed_{name}_w{window}"] = dict(fwd_ms=time_ms(fwd), fwd_bwd_ms=time_ms(fwd_bwd))
 
 
 def check_kernels(results):
@@ -182,14 +227,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/gpu_checks.json")
     ap.add_argument("--checks", default="fp8,fused_head,attention,kernels,orthogonalizers",
-                    help="comma-separated subset of fp8, fused_head, attention, kernels, orthogonalizers")
+                    help="comma-separated subset of fp8, fused_head, attention, attention_speed, kernels, orthogonalizers")
     a = ap.parse_args()
     import triton
     results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    python=platform.python_version(), command=" ".join(["python3", *sys.argv]),
                    commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
-    checks = dict(fp8=check_fp8, fused_head=check_fused_head, attention=check_attention, kernels=check_kernels,
+    checks = dict(fp8=check_fp8, fused_head=check_fused_head, attention=check_attention,
+                  attention_speed=check_attention_speed, kernels=check_kernels,
                   orthogonalizers=check_orthogonalizers)
     for check in (checks[name] for name in a.checks.split(",")):
         try:

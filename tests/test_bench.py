@@ -104,3 +104,39 @@ def test_run_summary_reads_finished_logs_and_leaves_out_console_copies_and_profi
     for i, tokens in enumerate((131072, 262144, 393216), start=1):
         assert r[f"stage{i}_ms_per_step"] == pytest.approx(1000.0)
         assert r[f"stage{i}_tokens_per_s"] == pytest.approx(tokens)
+
+
+class _FakeEvent:
+    def __init__(self, name, start_us, end_us, cuda):
+        self.name = name
+        self.time_range = type("R", (), dict(start=start_us, end=end_us))()
+        self.device_type = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+
+
+def test_profile_summary_reports_gpu_idle_time_and_host_waits():
+    """Kernels busy 0-4 ms and 6-10 ms of a 10 ms span -> 2 ms idle; two stream syncs and a memcpy on the CPU."""
+    events = [_FakeEvent("gemm", 0, 4000, True), _FakeEvent("ncclKernel_AllReduce", 1000, 2000, True),
+              _FakeEvent("relu", 6000, 10000, True), _FakeEvent("cudaStreamSynchronize", 100, 600, False),
+              _FakeEvent("cudaStreamSynchronize", 700, 800, False), _FakeEvent("cudaMemcpyAsync", 0, 50, False),
+              _FakeEvent("cudaLaunchKernel", 0, 5, False)]
+    prof = type("P", (), dict(events=lambda self: events))()
+    text = tg.summarize_profile(prof, "fake")
+    assert "GPU span 10.00" in text and "compute busy 8.00" in text and "idle 2.00" in text
+    assert "cudaStreamSynchronize 2x 0.60 ms" in text and "cudaMemcpyAsync 1x 0.05 ms" in text
+    assert "cudaLaunchKernel" not in text.split("host waits")[1].splitlines()[0]
+
+
+def test_profile_summary_says_none_when_the_step_never_waits():
+    events = [_FakeEvent("gemm", 0, 1000, True), _FakeEvent("cudaLaunchKernel", 0, 5, False)]
+    prof = type("P", (), dict(events=lambda self: events))()
+    assert "host waits (CUDA runtime calls that block the CPU): none" in tg.summarize_profile(prof, "fake")
+
+
+def test_format_table_reports_the_backend_and_host_syncs():
+    stages = [dict(name="stage 1", tokens_per_step=131072, windows="128,384", median_ms=250.0, tokens_per_s=5e5,
+                   mfu=0.5, peak_allocated_gib=20.0, reference_ms=274.0)]
+    result = dict(stages=stages, matmul_params=114_130_944, bf16_peak_tflops=800.0, attn_backend="fa4",
+                  cold_start=dict(this_process_s=100.0, warm_up_s=90.0, cache_present_at_start=False,
+                                  cache_mb_after=150.0),
+                  host_syncs_in_a_stage3_step=dict(count=0, first=[]))
+    assert "attention fa4; synchronising CUDA calls in a stage-3 step: 0" in bench.format_table(result)

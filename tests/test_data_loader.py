@@ -418,3 +418,16 @@ def test_generator_on_real_text(tmp_path):
         check_batch_format(inputs, targets, cu, 256)
         ei, et, ec = expected_batch(toks, ranks[1], 256)
         assert inputs.tolist() == ei.tolist() and targets.tolist() == et.tolist() and cu.tolist() == ec.tolist()
+
+
+def test_to_device_on_cpu_keeps_values_and_dtypes():
+    batch = (torch.arange(5, dtype=torch.int32), torch.arange(5, dtype=torch.int64), torch.tensor([0, 5], dtype=torch.int32))
+    moved = tg.to_device(batch, "cpu")
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(batch, moved))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_to_device_on_cuda_copies_through_pinned_memory():
+    batch = (torch.arange(5, dtype=torch.int32),)
+    (moved,) = tg.to_device(batch, "cuda")
+    assert moved.is_cuda and torch.equal(moved.cpu(), batch[0])

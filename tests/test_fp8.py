@@ -246,3 +246,16 @@ def test_softcap_ce_backward_kernel_matches_float64_and_writes_both_layouts():
         assert row["transposed_equal"] and row["all_written"], row
         assert row["fp8_rounded_as_torch"] and row["fp8_transposed_equal"], row
         assert row["fp8_exact_share"] > 0.8, row
+
+
+def test_fp8_scale_tensors_are_made_once_per_value_and_device():
+    """torch.tensor(value, device="cuda") blocks the CPU until the GPU is idle: the op's scale tensors must be
+    created once, not on every call (six calls per micro-batch)."""
+    x, w, grad = _inputs()
+    tg.lm_head_fp8(x, w).backward(grad)
+    made = dict(tg._SCALE_TENSORS)
+    assert {value for value, _ in made} == {tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE}
+    tg.lm_head_fp8(x, w).backward(grad)
+    assert tg._SCALE_TENSORS.keys() == made.keys()
+    assert all(tg._SCALE_TENSORS[key] is made[key] for key in made)
+    assert tg._scale_tensor(tg.FP8_X_SCALE, x).item() == pytest.approx(tg.FP8_X_SCALE)
