@@ -105,6 +105,7 @@ class Hyperparameters:
     fail_on_recompile: bool = True        # a torch.compile inside the timed loop raises (the warm-up missed a graph)
     dynamic_seq_len: bool = True          # compile the model once for all batch sizes (token dim symbolic), not per stage
     fused_fp8_head: bool = True           # FP8 lm_head + softcapped CE with one fused Triton backward pass
+    fused_relu2: bool = True              # MLP ReLU² in the epilogues of a Triton GEMM (forward and backward), on GPUs
     smoke: bool = False                   # tiny preset for CPUs and tests (see SMOKE_PRESET)
 
     @property
@@ -782,6 +783,133 @@ def fp8_lm_head_cross_entropy_sum(x: Tensor, w: Tensor, targets: Tensor) -> Tens
     return FP8LMHeadCrossEntropySum.apply(x, w, targets)
 
 
+# --- MLP up-projection with ReLU² in the GEMM epilogue ------------------------------------------------------------
+# The MLP's (T, 3072) activations are the largest tensors of the step. Unfused, the forward writes pre = x W_fcᵀ,
+# then a pointwise kernel reads it back to write h = relu(pre)², and the backward writes grad_h = grad_out W_proj,
+# then reads it back with pre to write grad_pre = grad_h · 2·relu(pre): ~44 ms of memory traffic per stage-3 step
+# on an H100. One GEMM kernel serves both directions (both are A (M, K) @ B (N, K)ᵀ with K = 768, N = 3072); its
+# epilogue writes pre and h (forward) or reads pre and writes grad_pre (backward). The GEMM result is rounded to
+# the activation dtype before the epilogue math, as the unfused path rounds the cuBLAS output.
+
+if triton is not None:
+    @triton.jit
+    def _linear_relu2_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, stride_bn, stride_pm, stride_om,
+                             BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        # Grouped tile order: GROUP_M row-blocks share each column-block of B while it is in L2.
+        pid = tl.program_id(0)
+        num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        group = pid // (GROUP_M * num_pid_n)
+        first_m = group * GROUP_M
+        group_size = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
+        pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (checked by the launcher)
+            a = tl.load(a_ptrs, mask=offs_m[:, None] < M, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_n[:, None] < N, other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        y = acc.to(out_ptr.dtype.element_ty)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        o = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        p = offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
+        if BACKWARD:
+            pre = tl.load(pre_ptr + p, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + o, (y.to(tl.float32) * 2 * tl.maximum(pre, 0.0)).to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            if STORE_PRE:
+                tl.store(pre_ptr + p, y, mask=mask)
+            r = tl.maximum(y.to(tl.float32), 0.0)
+            tl.store(out_ptr + o, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _relu2_mm_config_from_env() -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); SPEEDRUN_RELU2_MM_CONFIG="128,256,64,8,8,3"
+    overrides it (bench/relu2_mm_bench.py times the candidates). Read once, at import."""
+    value = os.environ.get("SPEEDRUN_RELU2_MM_CONFIG")
+    return tuple(int(v) for v in value.split(",")) if value else (128, 256, 64, 8, 8, 3)
+
+
+RELU2_MM_CONFIG = _relu2_mm_config_from_env()
+
+
+def launch_linear_relu2(a: Tensor, b: Tensor, pre: Tensor, out: Tensor, backward: bool, store_pre: bool = True,
+                        config: tuple = None):
+    M, K = a.shape
+    N = b.size(0)
+    block_m, block_n, block_k, group_m, warps, stages = config or RELU2_MM_CONFIG
+    assert K % block_k == 0 and a.stride(1) == b.stride(1) == pre.stride(1) == out.stride(1) == 1, (a.shape, b.shape)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    _linear_relu2_kernel[grid](a, b, pre, out, M, N, K, a.stride(0), b.stride(0), pre.stride(0), out.stride(0),
+                               BACKWARD=backward, STORE_PRE=store_pre, BLOCK_M=block_m, BLOCK_N=block_n,
+                               BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+
+
+@torch.library.custom_op("speedrun::linear_relu2", mutates_args=())
+def linear_relu2(x: Tensor, w: Tensor, store_pre: bool) -> tuple[Tensor, Tensor]:
+    """(pre, h) with pre = x @ wᵀ and h = relu(pre)², both in x's dtype; pre is empty when not stored (eval)."""
+    if not _kernels_usable(x):
+        pre = x @ w.t()
+        return (pre if store_pre else x.new_empty(0)), torch.relu(pre.float()).square().to(x.dtype)
+    h = x.new_empty((x.size(0), w.size(0)))
+    pre = torch.empty_like(h) if store_pre else x.new_empty(0)
+    launch_linear_relu2(x, w, pre if store_pre else h, h, backward=False, store_pre=store_pre)
+    return pre, h
+
+
+@linear_relu2.register_fake
+def _(x, w, store_pre):
+    h = x.new_empty((x.size(0), w.size(0)))
+    return (torch.empty_like(h) if store_pre else x.new_empty(0)), h
+
+
+@torch.library.custom_op("speedrun::relu2_grad_mm", mutates_args=())
+def relu2_grad_mm(grad_out: Tensor, w_proj: Tensor, pre: Tensor) -> Tensor:
+    """grad_pre = (grad_out @ w_projᵀ) · 2·relu(pre), the GEMM result rounded to grad_out's dtype first."""
+    if not _kernels_usable(grad_out):
+        return ((grad_out @ w_proj.t()).float() * 2 * torch.relu(pre.float())).to(grad_out.dtype)
+    grad_pre = torch.empty_like(pre)
+    launch_linear_relu2(grad_out, w_proj, pre, grad_pre, backward=True)
+    return grad_pre
+
+
+@relu2_grad_mm.register_fake
+def _(grad_out, w_proj, pre):
+    return torch.empty_like(pre)
+
+
+class ReLU2MLP(torch.autograd.Function):
+    """relu(x W_fcᵀ)² W_proj with the ReLU² in the GEMM epilogues (forward and backward); the other three GEMMs of
+    the backward are plain matmuls, traced into the compiled graph."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
+        pre, h = torch.ops.speedrun.linear_relu2(x, w_fc, True)
+        ctx.save_for_backward(x, w_fc, w_proj, pre, h)
+        return h @ w_proj
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, w_fc, w_proj, pre, h = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_pre = torch.ops.speedrun.relu2_grad_mm(grad_out, w_proj, pre)
+        return grad_pre @ w_fc, grad_pre.t() @ x, h.t() @ grad_out
+
+
+def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
+    """relu(x @ w_fcᵀ)² @ w_proj for x (T, d), w_fc and w_proj (4d, d), with the fused epilogues."""
+    if torch.is_grad_enabled() and (x.requires_grad or w_fc.requires_grad or w_proj.requires_grad):
+        return ReLU2MLP.apply(x, w_fc, w_proj)
+    return torch.ops.speedrun.linear_relu2(x, w_fc, False)[1] @ w_proj
+
+
 # =====================================================================================
 # 3. Optimizers
 # =====================================================================================
@@ -1390,8 +1518,9 @@ def varlen_available() -> bool:
 
 
 def resolve_attention_backend(requested: str, device_type: str) -> str:
-    """auto: FA3 from the `kernels` hub when installed and reachable (the record's choice), then
-    PyTorch's varlen FlashAttention-2 kernels, then the reference. An explicit request that cannot work is an error."""
+    """auto: FA3 from the `kernels` hub when installed and reachable (the record's choice), then FlashAttention-4
+    from PyPI when installed (1.7x faster than FA2 on an H100, bench/results), then PyTorch's varlen
+    FlashAttention-2 kernels, then the reference. An explicit request that cannot work is an error."""
     global _FA3
     if device_type != "cuda":
         if requested not in ("auto", "reference"):
@@ -1406,15 +1535,18 @@ def resolve_attention_backend(requested: str, device_type: str) -> str:
             if requested == "fa3":
                 raise ConfigError(f"--attn-backend fa3 unavailable ({type(e).__name__}: {e}); "
                                   "pip install kernels (needs network) or use --attn-backend varlen") from None
-    if requested == "fa4":
+    if requested in ("auto", "fa4"):
         try:
             global _FA4
+            if torch.cuda.get_device_capability()[0] < 9:
+                raise RuntimeError("its kernels need compute capability 9.0 or newer (Hopper, Blackwell)")
             import flash_attn.cute.interface as fa4_interface
             _FA4 = fa4_interface
             return "fa4"
         except Exception as e:
-            raise ConfigError(f"--attn-backend fa4 unavailable ({type(e).__name__}: {e}); "
-                              "pip install flash-attn-4 (Hopper or Blackwell) or use --attn-backend varlen") from None
+            if requested == "fa4":
+                raise ConfigError(f"--attn-backend fa4 unavailable ({type(e).__name__}: {e}); "
+                                  "pip install flash-attn-4 (Hopper or Blackwell) or use --attn-backend varlen") from None
     if requested in ("auto", "varlen"):
         if varlen_available():
             return "varlen"
@@ -1462,8 +1594,12 @@ class MLP(nn.Module):
         bound = math.sqrt(3) * 0.5 * dim ** -0.5
         with torch.no_grad():
             self.c_fc.uniform_(-bound, bound)
+        self.fused_relu2 = False  # relu2_mlp (ReLU² in the GEMM epilogues) instead of Inductor's kernels; set by
+                                  # build_model_and_optimizers
 
     def forward(self, x):
+        if self.fused_relu2:
+            return relu2_mlp(x, self.c_fc.type_as(x), self.c_proj.type_as(x))
         h = F.relu(F.linear(x, self.c_fc.type_as(x))).square()
         return h @ self.c_proj.type_as(x)
 
@@ -2298,6 +2434,9 @@ def build_model_and_optimizers(args: Hyperparameters, device: str, world_size: i
     model.dynamic_seq_len = use_compile and args.dynamic_seq_len
     model.use_fp8 = use_fp8
     model.fused_fp8_head = args.fused_fp8_head
+    for block in model.blocks:
+        if block.mlp is not None:
+            block.mlp.fused_relu2 = args.fused_relu2 and device == "cuda"
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)
@@ -2339,7 +2478,8 @@ def run(args: Hyperparameters) -> None:
     gpu_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     log(f'Run config: world_size={world_size} grad_accum_steps={grad_accum_steps} device={device} '
         f'attn_backend={backend} orthogonalizer={args.orthogonalizer} fp8={int(use_fp8)} '
-        f'compile={int(use_compile)} dynamic_seq_len={int(model_dynamic)} data_path={args.data_path} '
+        f'compile={int(use_compile)} dynamic_seq_len={int(model_dynamic)} fused_fp8_head={int(args.fused_fp8_head)} '
+        f'fused_relu2={int(args.fused_relu2 and device == "cuda")} data_path={args.data_path} '
         f'train_epochs={args.train_epochs} '
         f'seed={args.seed} gpu_name="{gpu_name}"', console=False)
     if args.train_epochs > 1:

@@ -269,7 +269,9 @@ def count_host_syncs(trainer, args) -> dict:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    syncs = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message).lower()]
+    # (set_sync_debug_mode itself warns once that it is a prototype: that notice is not a synchronisation)
+    syncs = [str(w.message).splitlines()[0][:160] for w in caught
+             if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message)]
     return dict(count=len(syncs), first=syncs[:3])
 
 
@@ -288,12 +290,12 @@ def measure_profile(trainer, args, out_path: Path) -> str:
 
 
 def bench_args(data_dir: Path, seed: int, dynamic_seq_len: bool = True, fused_fp8_head: bool = True,
-               attn_backend: str = "auto") -> tg.Hyperparameters:
+               attn_backend: str = "auto", fused_relu2: bool = True) -> tg.Hyperparameters:
     """The record's hyperparameters; only the data (synthetic, cycled) and the val set (one batch) differ."""
     defaults = tg.Hyperparameters()
     return dataclasses.replace(defaults, data_path=str(data_dir), seed=seed, train_epochs=100,
                                val_tokens=defaults.val_batch_size, dynamic_seq_len=dynamic_seq_len,
-                               fused_fp8_head=fused_fp8_head, attn_backend=attn_backend)
+                               fused_fp8_head=fused_fp8_head, attn_backend=attn_backend, fused_relu2=fused_relu2)
 
 
 def compile_report() -> dict:
@@ -326,6 +328,8 @@ def main(argv=None) -> int:
                     help="compile one graph per batch-size stage (dynamic_seq_len off): the A/B control")
     ap.add_argument("--unfused-head", action="store_true",
                     help="lm_head_fp8 + softcapped CE instead of the fused FP8 head (A/B control)")
+    ap.add_argument("--unfused-mlp", action="store_true",
+                    help="Inductor's ReLU² kernels instead of the fused GEMM epilogues (A/B control)")
     ap.add_argument("--attn-backend", default="auto", choices=("auto", "fa3", "fa4", "varlen"),
                     help="attention kernels (train_gpt.py's --attn-backend)")
     ap.add_argument("--stages-only", action="store_true",
@@ -337,7 +341,7 @@ def main(argv=None) -> int:
     cache = inductor_cache_dir()
     cache_present = folder_mb(cache) > 1.0
     args = bench_args(Path(a.data_dir), seed=1234, dynamic_seq_len=not a.static, fused_fp8_head=not a.unfused_head,
-                      attn_backend=a.attn_backend)
+                      attn_backend=a.attn_backend, fused_relu2=not a.unfused_mlp)
     t_data = time.time()
     make_synthetic_shards(Path(a.data_dir), train_tokens=60_000_000, val_tokens=args.val_batch_size + 1)
     data_s = time.time() - t_data  # the benchmark's own synthetic data: not part of the trainer's cold start
@@ -364,7 +368,8 @@ def main(argv=None) -> int:
         cuda=torch.version.cuda, python=platform.python_version(), commit=git_commit() or a.commit,
         date=datetime.date.today().isoformat(), command=" ".join([Path(sys.executable).name, *sys.argv]),
         world_size=1, data="synthetic document-structured tokens (log-normal lengths, median 600)",
-        dynamic_seq_len=args.dynamic_seq_len, fused_fp8_head=args.fused_fp8_head,
+        dynamic_seq_len=args.dynamic_seq_len, fused_fp8_head=args.fused_fp8_head, fused_relu2=args.fused_relu2,
+        relu2_mm_tile=list(tg.RELU2_MM_CONFIG),
         ce_backward_tile=list(tg.CE_BACKWARD_CONFIG),
         matmul_params=n_params, bf16_peak_tflops=peak / 1e12,
         attn_backend={fn: name for name, fn in tg.ATTENTION_BACKENDS.items()}[trainer.model.attn_fn], fp8=not os.environ.get("DISABLE_FP8"))
@@ -386,7 +391,8 @@ def main(argv=None) -> int:
         tmp = out.with_name(out.stem + "_cached_start.json")
         subprocess.run([sys.executable, __file__, "--cold-start-only", "--out", str(tmp), "--data-dir", a.data_dir,
                         "--attn-backend", a.attn_backend,
-                        *(["--static"] if a.static else []), *(["--unfused-head"] if a.unfused_head else [])],
+                        *(["--static"] if a.static else []), *(["--unfused-head"] if a.unfused_head else []),
+                        *(["--unfused-mlp"] if a.unfused_mlp else [])],
                        check=True)
         cold["cached_s"] = json.loads(tmp.read_text())["this_process_s"]
         cold["cached_warm_up_s"] = json.loads(tmp.read_text())["warm_up_s"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+from interpreter import run_in_triton_interpreter
 
 T, V, D = 64, 256, 768
 
@@ -101,22 +102,6 @@ def test_fp8_fake_kernels_report_the_real_shapes_and_strides(shape):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
     for r, f in zip((out, x_f8, w_f8), fake_fwd):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
-
-
-def run_in_triton_interpreter(script: str) -> list:
-    """Run a script that prints a JSON list as its last line, in a fresh process with TRITON_INTERPRET=1 (it must be
-    set before triton is imported, so not in this process)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    pytest.importorskip("triton")
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 TRANSPOSE_SCRIPT = """
