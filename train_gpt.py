@@ -105,7 +105,8 @@ class Hyperparameters:
     fail_on_recompile: bool = True        # a torch.compile inside the timed loop raises (the warm-up missed a graph)
     dynamic_seq_len: bool = True          # compile the model once for all batch sizes (token dim symbolic), not per stage
     fused_fp8_head: bool = True           # FP8 lm_head + softcapped CE with one fused Triton backward pass
-    fused_relu2: bool = True              # MLP ReLU² in the epilogues of a Triton GEMM (forward and backward), on GPUs
+    fused_relu2: bool = False             # MLP ReLU² in Triton GEMM epilogues: off, measured 2 % slower than cuBLAS +
+                                          # Inductor on an H100 (bench/results/2026-11-22_h100x1_relu2_mm.json)
     smoke: bool = False                   # tiny preset for CPUs and tests (see SMOKE_PRESET)
 
     @property
@@ -790,6 +791,9 @@ def fp8_lm_head_cross_entropy_sum(x: Tensor, w: Tensor, targets: Tensor) -> Tens
 # on an H100. One GEMM kernel serves both directions (both are A (M, K) @ B (N, K)ᵀ with K = 768, N = 3072); its
 # epilogue writes pre and h (forward) or reads pre and writes grad_pre (backward). The GEMM result is rounded to
 # the activation dtype before the epilogue math, as the unfused path rounds the cuBLAS output.
+# Measured on an H100 (2026-11-22): the saved memory traffic does not pay for this pointer-based Triton GEMM being
+# slower than cuBLAS (MLP forward+backward 2.54 vs 2.49 ms per stage-3 micro-batch), so --fused-relu2 is off by
+# default; a TMA/persistent GEMM might turn it around (the upstream record of 2026-01-10 did this with one).
 
 if triton is not None:
     @triton.jit

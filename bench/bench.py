@@ -290,7 +290,7 @@ def measure_profile(trainer, args, out_path: Path) -> str:
 
 
 def bench_args(data_dir: Path, seed: int, dynamic_seq_len: bool = True, fused_fp8_head: bool = True,
-               attn_backend: str = "auto", fused_relu2: bool = True) -> tg.Hyperparameters:
+               attn_backend: str = "auto", fused_relu2: bool = False) -> tg.Hyperparameters:
     """The record's hyperparameters; only the data (synthetic, cycled) and the val set (one batch) differ."""
     defaults = tg.Hyperparameters()
     return dataclasses.replace(defaults, data_path=str(data_dir), seed=seed, train_epochs=100,
@@ -328,12 +328,13 @@ def main(argv=None) -> int:
                     help="compile one graph per batch-size stage (dynamic_seq_len off): the A/B control")
     ap.add_argument("--unfused-head", action="store_true",
                     help="lm_head_fp8 + softcapped CE instead of the fused FP8 head (A/B control)")
-    ap.add_argument("--unfused-mlp", action="store_true",
-                    help="Inductor's ReLU² kernels instead of the fused GEMM epilogues (A/B control)")
+    ap.add_argument("--fused-mlp", action="store_true",
+                    help="ReLU² in the Triton GEMM epilogues (train_gpt.py --fused-relu2 true; A/B lever)")
     ap.add_argument("--attn-backend", default="auto", choices=("auto", "fa3", "fa4", "varlen"),
                     help="attention kernels (train_gpt.py's --attn-backend)")
     ap.add_argument("--stages-only", action="store_true",
-                    help="cold start and per-stage timings only (no optimizer, orthogonalizer, profile)")
+                    help="cold start and per-stage timings only (no optimizer, orthogonalizer, profile; "
+                         "--cached-start still applies)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: bench.py needs a CUDA GPU (it times the real kernels)", file=sys.stderr)
@@ -341,7 +342,7 @@ def main(argv=None) -> int:
     cache = inductor_cache_dir()
     cache_present = folder_mb(cache) > 1.0
     args = bench_args(Path(a.data_dir), seed=1234, dynamic_seq_len=not a.static, fused_fp8_head=not a.unfused_head,
-                      attn_backend=a.attn_backend, fused_relu2=not a.unfused_mlp)
+                      attn_backend=a.attn_backend, fused_relu2=a.fused_mlp)
     t_data = time.time()
     make_synthetic_shards(Path(a.data_dir), train_tokens=60_000_000, val_tokens=args.val_batch_size + 1)
     data_s = time.time() - t_data  # the benchmark's own synthetic data: not part of the trainer's cold start
@@ -378,21 +379,19 @@ def main(argv=None) -> int:
     result["stages"] = measure_stages(trainer, args, a.steps, n_params, peak)
     result["host_syncs_in_a_stage3_step"] = count_host_syncs(trainer, args)
     out.write_text(json.dumps(result, indent=1))  # partial results survive a later failure
-    if a.stages_only:
-        print(format_table(result))
-        return 0
-    result["optimizers"] = measure_optimizers(trainer, args)
-    result["orthogonalizer"] = measure_orthogonalizer(trainer.muon)
-    out.write_text(json.dumps(result, indent=1))
-    profile_path = out.with_name(out.stem + "_profile.txt")
-    measure_profile(trainer, args, profile_path)
-    result["profile"] = profile_path.name
+    if not a.stages_only:
+        result["optimizers"] = measure_optimizers(trainer, args)
+        result["orthogonalizer"] = measure_orthogonalizer(trainer.muon)
+        out.write_text(json.dumps(result, indent=1))
+        profile_path = out.with_name(out.stem + "_profile.txt")
+        measure_profile(trainer, args, profile_path)
+        result["profile"] = profile_path.name
     if a.cached_start:
         tmp = out.with_name(out.stem + "_cached_start.json")
         subprocess.run([sys.executable, __file__, "--cold-start-only", "--out", str(tmp), "--data-dir", a.data_dir,
                         "--attn-backend", a.attn_backend,
                         *(["--static"] if a.static else []), *(["--unfused-head"] if a.unfused_head else []),
-                        *(["--unfused-mlp"] if a.unfused_mlp else [])],
+                        *(["--fused-mlp"] if a.fused_mlp else [])],
                        check=True)
         cold["cached_s"] = json.loads(tmp.read_text())["this_process_s"]
         cold["cached_warm_up_s"] = json.loads(tmp.read_text())["warm_up_s"]
