@@ -154,15 +154,19 @@ def test_rotary_direction():
 # reference attention vs a dense masked SDPA over the whole packed sequence
 # ----------------------------------------------------------------------------------------------------
 
-def dense_reference(q, k, v, cu, scale, window):
-    T = q.size(0)
+def dense_mask(cu, T, window):
+    """(T, T) bool: query i may see key j (same document, causal, at most `window` tokens back)."""
     doc = torch.full((T,), -1, dtype=torch.long)
     bounds = cu.tolist()
     for d, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         doc[a:b] = d
     i = torch.arange(T)[:, None]
     j = torch.arange(T)[None, :]
-    mask = (doc[:, None] == doc[None, :]) & (j <= i) & (i - j <= window)
+    return (doc[:, None] == doc[None, :]) & (j <= i) & (i - j <= window)
+
+
+def dense_reference(q, k, v, cu, scale, window):
+    mask = dense_mask(cu, q.size(0), window)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          attn_mask=mask, scale=scale)
     return out.transpose(0, 1)
@@ -523,3 +527,73 @@ def test_fused_fp8_head_gives_the_unfused_heads_loss_and_gradients():
     assert results[0][1].keys() == results[1][1].keys()
     for name, g in results[0][1].items():
         assert torch.equal(g, results[1][1][name]), name
+
+
+# ----------------------------------------------------------------------------------------------------
+# the FA4 custom op's plumbing, with a stand-in for flash_attn.cute.interface (FA4 itself needs a Hopper GPU)
+# ----------------------------------------------------------------------------------------------------
+
+class _ReferenceFA4:
+    """The two internal entry points the op calls, computed with dense_reference (float64 autograd for the
+    backward), recording the arguments they were given."""
+    calls = []
+
+    @classmethod
+    def _flash_attn_fwd(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                        window_size_left, window_size_right, return_lse):
+        cls.calls.append(("fwd", softmax_scale, causal, window_size_left, window_size_right, return_lse,
+                          max_seqlen_q, cu_seqlens_q is cu_seqlens_k))
+        out = dense_reference(q, k, v, cu_seqlens_q, softmax_scale, window_size_left)
+        lse = torch.zeros(q.size(1), q.size(0), dtype=torch.float32)  # (heads, tokens), unused by this stand-in
+        return out, lse, None, None, None
+
+    @classmethod
+    def _flash_attn_bwd(cls, q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
+                        window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        cls.calls.append(("bwd", softmax_scale, causal, window_size_left, window_size_right, softcap))
+        # custom op bodies run below the autograd dispatch key: the attention backward written out by hand
+        mask = dense_mask(cu_seqlens_q, q.size(0), window_size_left)
+        qh, kh, vh, dh = (t.transpose(0, 1) for t in (q, k, v, dout))          # (heads, T, D)
+        p = (softmax_scale * qh @ kh.transpose(1, 2)).masked_fill(~mask, float("-inf")).softmax(-1)
+        dp = dh @ vh.transpose(1, 2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        dq, dk, dv = softmax_scale * ds @ kh, softmax_scale * ds.transpose(1, 2) @ qh, p.transpose(1, 2) @ dh
+        return tuple(t.transpose(0, 1) for t in (dq, dk, dv))
+
+
+def test_fa4_op_passes_the_step_window_and_scale_and_wires_its_backward(monkeypatch):
+    monkeypatch.setattr(tg, "_FA4", _ReferenceFA4)
+    _ReferenceFA4.calls = []
+    torch.manual_seed(0)
+    T, H, D = 64, 2, 8
+    q, k, v = (torch.randn(T, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    cu = tg.pack_cu_seqlens([20, 31, 13], T, 8)
+    params = attn_params(0.3, 9, short_window=4)
+    out = tg.attention_fa4(q, k, v, cu, 31, params, 0)  # `which` 0: the short window
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert _ReferenceFA4.calls[0] == ("fwd", 0.3, True, 4, 0, True, 31, True)
+    assert _ReferenceFA4.calls[1] == ("bwd", 0.3, True, 4, 0, 0.0)
+    qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = dense_reference(qd, kd, vd, cu, 0.3, 4)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(grads, torch.autograd.grad(ref.sum(), (qd, kd, vd))):
+        torch.testing.assert_close(a, b)
+
+
+def test_fa4_op_fake_matches_the_real_output_layout(monkeypatch):
+    """The fake (what torch.compile traces with) gives FA4's shapes: out like q, LSE (heads, tokens) fp32."""
+    monkeypatch.setattr(tg, "_FA4", _ReferenceFA4)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q, k, v = (torch.randn(48, 3, 8) for _ in range(3))
+    cu, params = tg.pack_cu_seqlens([48], 48, 4), attn_params(0.5, 16)
+    real = torch.ops.speedrun.fa4_varlen(q, k, v, cu, 48, params, 1)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.ops.speedrun.fa4_varlen(q, k, v, cu, 48, params, 1)
+    assert [tuple(t.shape) for t in fake] == [tuple(real[0].shape), (3, 48)]
+    assert fake[1].dtype == torch.float32
+
+
+def test_auto_backend_on_cpu_is_the_reference_and_fa4_on_cpu_is_a_one_line_error():
+    assert tg.resolve_attention_backend("auto", "cpu") == "reference"
+    with pytest.raises(tg.ConfigError, match="needs a CUDA GPU"):
+        tg.resolve_attention_backend("fa4", "cpu")
