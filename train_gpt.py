@@ -1544,6 +1544,9 @@ def resolve_attention_backend(requested: str, device_type: str) -> str:
             global _FA4
             if torch.cuda.get_device_capability()[0] < 9:
                 raise RuntimeError("its kernels need compute capability 9.0 or newer (Hopper, Blackwell)")
+            # Keep FA4's JIT-compiled kernels on disk (read at its import), as Inductor keeps its graphs: a restart
+            # then loads them instead of compiling for ~10 s. FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 opts out.
+            os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
             import flash_attn.cute.interface as fa4_interface
             _FA4 = fa4_interface
             return "fa4"

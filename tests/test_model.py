@@ -597,3 +597,26 @@ def test_auto_backend_on_cpu_is_the_reference_and_fa4_on_cpu_is_a_one_line_error
     assert tg.resolve_attention_backend("auto", "cpu") == "reference"
     with pytest.raises(tg.ConfigError, match="needs a CUDA GPU"):
         tg.resolve_attention_backend("fa4", "cpu")
+
+
+def test_fa4_backend_is_picked_by_auto_when_installed_and_keeps_its_kernel_cache(monkeypatch):
+    """With flash_attn.cute importable on a Hopper GPU (both faked here), auto picks FA4 (no `kernels` hub for FA3)
+    and FA4's on-disk kernel cache is switched on before its import reads the setting."""
+    import sys
+    import types
+    fake = types.ModuleType("flash_attn.cute.interface")
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", fake)
+    monkeypatch.setitem(sys.modules, "kernels", None)  # FA3's hub is not installed
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
+    monkeypatch.setattr(tg, "_FA4", None)
+    assert tg.resolve_attention_backend("auto", "cuda") == "fa4"
+    assert tg._FA4 is fake
+    assert tg.os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))  # an A100: FA2 instead
+    monkeypatch.setattr(tg, "varlen_available", lambda: True)
+    assert tg.resolve_attention_backend("auto", "cuda") == "varlen"
+    with pytest.raises(tg.ConfigError, match="compute capability 9.0"):
+        tg.resolve_attention_backend("fa4", "cuda")
