@@ -601,7 +601,7 @@ def test_auto_backend_on_cpu_is_the_reference_and_fa4_on_cpu_is_a_one_line_error
 
 def test_fa4_backend_is_picked_by_auto_when_installed_and_keeps_its_kernel_cache(monkeypatch):
     """With flash_attn.cute importable on a Hopper GPU (both faked here), auto picks FA4 (no `kernels` hub for FA3)
-    and FA4's on-disk kernel cache is switched on before its import reads the setting."""
+    and FA4's on-disk kernel cache is switched on (unless the user set the variable)."""
     import sys
     import types
     fake = types.ModuleType("flash_attn.cute.interface")
