@@ -1404,7 +1404,7 @@ def _(q, k, v, cu_seqlens, max_seqlen, params, which):
 
 @torch.library.custom_op("speedrun::flash_varlen_backward", mutates_args=())
 def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          cu_seqlens: Tensor, max_seqlen: int, rng_state: Tensor, params: Tensor,
+                          rng_state: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
                           which: int) -> tuple[Tensor, Tensor, Tensor]:
     scale, window = attention_scalars(params, which)
     unused = torch.empty(0, device=q.device)
@@ -1415,25 +1415,29 @@ def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
 
 
 @flash_varlen_backward.register_fake
-def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_state, params, which):
+def _(grad_out, q, k, v, out, lse, rng_state, cu_seqlens, max_seqlen, params, which):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _flash_varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, params, which = inputs
-    out, lse, rng_state = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, params)
-    ctx.max_seqlen, ctx.which = max_seqlen, which
+def register_attention_autograd(forward_op, backward_op):
+    """Autograd of a varlen attention op (q, k, v, cu_seqlens, max_seqlen, params, which) -> (out, lse, *state):
+    saves the inputs and every output, and calls backward_op(grad_out, q, k, v, out, lse, *state, cu_seqlens,
+    max_seqlen, params, which) -> (dq, dk, dv)."""
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens, max_seqlen, params, which = inputs
+        ctx.save_for_backward(q, k, v, cu_seqlens, params, *output)
+        ctx.max_seqlen, ctx.which = max_seqlen, which
+
+    def backward(ctx, grad_out, *_):
+        q, k, v, cu_seqlens, params, *outputs = ctx.saved_tensors
+        dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, *outputs, cu_seqlens, ctx.max_seqlen, params,
+                                 ctx.which)
+        return dq, dk, dv, None, None, None, None
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-def _flash_varlen_backward_rule(ctx, grad_out, *_):
-    q, k, v, out, lse, cu_seqlens, rng_state, params = ctx.saved_tensors
-    dq, dk, dv = torch.ops.speedrun.flash_varlen_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens,
-                                                          ctx.max_seqlen, rng_state, params, ctx.which)
-    return dq, dk, dv, None, None, None, None
-
-
-flash_varlen.register_autograd(_flash_varlen_backward_rule, setup_context=_flash_varlen_setup_context)
+register_attention_autograd(flash_varlen, torch.ops.speedrun.flash_varlen_backward)
 
 
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, params, which):
@@ -1486,21 +1490,7 @@ def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, params, which):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _fa4_varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, params, which = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, params)
-    ctx.max_seqlen, ctx.which = max_seqlen, which
-
-
-def _fa4_varlen_backward_rule(ctx, grad_out, *_):
-    q, k, v, out, lse, cu_seqlens, params = ctx.saved_tensors
-    dq, dk, dv = torch.ops.speedrun.fa4_varlen_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens,
-                                                        ctx.max_seqlen, params, ctx.which)
-    return dq, dk, dv, None, None, None, None
-
-
-fa4_varlen.register_autograd(_fa4_varlen_backward_rule, setup_context=_fa4_varlen_setup_context)
+register_attention_autograd(fa4_varlen, torch.ops.speedrun.fa4_varlen_backward)
 
 
 def attention_fa4(q, k, v, cu_seqlens, max_seqlen, params, which):
@@ -2430,6 +2420,11 @@ def setup_process_group(device: str, rank: int, world_size: int, local_rank: int
     return device
 
 
+def fused_relu2_enabled(args: Hyperparameters, device: str) -> bool:
+    """--fused-relu2 applies on GPUs; CPU runs keep Inductor's kernels (the op's CPU path is plain torch)."""
+    return args.fused_relu2 and device == "cuda"
+
+
 def build_model_and_optimizers(args: Hyperparameters, device: str, world_size: int, backend: str,
                                use_compile: bool, use_fp8: bool):
     """The model (rank 0's initialisation on every rank, compiled per region) and its two optimizers."""
@@ -2443,7 +2438,7 @@ def build_model_and_optimizers(args: Hyperparameters, device: str, world_size: i
     model.fused_fp8_head = args.fused_fp8_head
     for block in model.blocks:
         if block.mlp is not None:
-            block.mlp.fused_relu2 = args.fused_relu2 and device == "cuda"
+            block.mlp.fused_relu2 = fused_relu2_enabled(args, device)
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)
@@ -2486,7 +2481,7 @@ def run(args: Hyperparameters) -> None:
     log(f'Run config: world_size={world_size} grad_accum_steps={grad_accum_steps} device={device} '
         f'attn_backend={backend} orthogonalizer={args.orthogonalizer} fp8={int(use_fp8)} '
         f'compile={int(use_compile)} dynamic_seq_len={int(model_dynamic)} fused_fp8_head={int(args.fused_fp8_head)} '
-        f'fused_relu2={int(args.fused_relu2 and device == "cuda")} data_path={args.data_path} '
+        f'fused_relu2={int(fused_relu2_enabled(args, device))} data_path={args.data_path} '
         f'train_epochs={args.train_epochs} '
         f'seed={args.seed} gpu_name="{gpu_name}"', console=False)
     if args.train_epochs > 1:

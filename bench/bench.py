@@ -253,19 +253,26 @@ def measure_orthogonalizer(muon, svd_matrices: int = 4) -> dict:
     return results
 
 
+def stage3_step(trainer, args):
+    """A function running one stage-3 training step (odd: NorMuon + DistAdam), after one step that fills the loader
+    and a synchronisation, so that what is measured around it is that step alone."""
+    bs, long = args.train_bs_schedule[-1], args.ws_schedule[-1]
+    batches = trainer.new_batches(bs)
+    trainer.train_step(0, batches, None, long // 2, long, trainer.grad_accum_steps)
+    torch.cuda.synchronize()
+    return lambda: trainer.train_step(1, batches, None, long // 2, long, trainer.grad_accum_steps)
+
+
 def count_host_syncs(trainer, args) -> dict:
     """Synchronising CUDA calls PyTorch reports (torch.cuda.set_sync_debug_mode) during one stage-3 step: a step
     should have none, because the CPU must stay ahead of the GPU to keep it busy."""
     import warnings
-    bs, long = args.train_bs_schedule[-1], args.ws_schedule[-1]
-    batches = trainer.new_batches(bs)
-    trainer.train_step(0, batches, None, long // 2, long, trainer.grad_accum_steps)  # fill the loader
-    torch.cuda.synchronize()
+    step = stage3_step(trainer, args)
     with warnings.catch_warnings(record=True) as caught, tg.no_compiles_allowed():
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            trainer.train_step(1, batches, None, long // 2, long, trainer.grad_accum_steps)
+            step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -276,13 +283,10 @@ def count_host_syncs(trainer, args) -> dict:
 
 
 def measure_profile(trainer, args, out_path: Path) -> str:
-    bs, long = args.train_bs_schedule[-1], args.ws_schedule[-1]
-    batches = trainer.new_batches(bs)
-    trainer.train_step(0, batches, None, long // 2, long, trainer.grad_accum_steps)  # fill the loader
     from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
+    step = stage3_step(trainer, args)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        trainer.train_step(1, batches, None, long // 2, long, trainer.grad_accum_steps)
+        step()
         torch.cuda.synchronize()
     text = tg.summarize_profile(prof, "bench: stage-3 step (odd: NorMuon + DistAdam), world size 1")
     out_path.write_text(text)

@@ -154,13 +154,9 @@ def check_attention_speed(results):
     """Forward and forward+backward time of each available backend on one stage-3 micro-batch (49,152 tokens of
     log-normal documents, 6 heads of 128) at the stage-3 windows (640 and 1408 tokens)."""
     import numpy as np
+    from bench import document_lengths  # bench/bench.py: the benchmark's synthetic documents
     T, H, D = 49152, 6, 128
-    rng = np.random.default_rng(0)
-    lengths, total = [], 0
-    while total < T:
-        n = min(int(np.clip(rng.lognormal(np.log(600), 1.0), 16, 2048)), T - total)
-        lengths.append(n)
-        total += n
+    lengths = document_lengths(T, np.random.default_rng(0), median=600, max_len=2048)
     cu = tg.pack_cu_seqlens(lengths, T, tg.max_num_docs_for(T)).cuda()
     backends = {"varlen": tg.attention_varlen}
     try:

@@ -620,3 +620,16 @@ def test_fa4_backend_is_picked_by_auto_when_installed_and_keeps_its_kernel_cache
     assert tg.resolve_attention_backend("auto", "cuda") == "varlen"
     with pytest.raises(tg.ConfigError, match="compute capability 9.0"):
         tg.resolve_attention_backend("fa4", "cuda")
+
+
+@pytest.mark.parametrize("backend", ["varlen", "fa4"])
+def test_attention_ops_autograd_wiring_traces_with_their_fakes(backend):
+    """Forward and backward of both custom attention ops under FakeTensorMode (what torch.compile traces): the
+    shared autograd registration must hand each backward op its arguments in its own schema's order."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, k, v = (torch.randn(40, 2, 8, requires_grad=True) for _ in range(3))
+        cu = torch.zeros(8, dtype=torch.int32)
+        out = tg.ATTENTION_BACKENDS[backend](q, k, v, cu, 40, attn_params(0.5, 16), 1)
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
