@@ -76,7 +76,7 @@ class Hyperparameters:
     ws_validate_post_yarn_ext: int = 20   # long window for the final validation (no YaRN update)
     block_size: int = 128
     muon_momentum_warmup: tuple = (0.85, 0.95, 300)    # start, end, steps
-    muon_momentum_cooldown: tuple = (0.95, 0.1, 50)    # start value, total drop, steps before the end
+    muon_momentum_cooldown: tuple = (0.95, 0.85, 50)   # start, end, steps before the end (the warm-up wins first)
     warmup_steps_per_stage: int = 10      # untimed kernel warm-up steps per window stage
     # model
     vocab_size: int = 50257
@@ -184,7 +184,22 @@ def validate_args(args: Hyperparameters):
     need(args.num_layers == 12, "the layer map (skips, value embeddings, backout) is defined for --num-layers 12 only")
     need(len(args.train_bs_schedule) == len(args.ws_schedule) == len(args.lr_plateaus) == len(args.lr_plateau_starts),
          "--train-bs-schedule, --ws-schedule, --lr-plateaus and --lr-plateau-starts need one entry per stage")
-    need(args.num_scheduled_iterations > 0 and args.num_extension_iterations >= 0, "iteration counts must be positive")
+    stages = len(args.train_bs_schedule)
+    need(args.num_scheduled_iterations >= stages,
+         f"--num-scheduled-iterations ({args.num_scheduled_iterations}) must be at least the number of batch-size "
+         f"stages ({stages}, from --train-bs-schedule)")
+    need(args.num_extension_iterations >= 0,
+         f"--num-extension-iterations must be >= 0, got {args.num_extension_iterations}")
+    starts = args.lr_plateau_starts
+    need(starts[0] == 0 and all(a < b for a, b in zip(starts, starts[1:])) and starts[-1] < 1,
+         f"--lr-plateau-starts must start at 0 and increase, each below 1, got {','.join(map(str, starts))}")
+    need(0 < args.cooldown_frac <= 1, f"--cooldown-frac must be in (0, 1], got {args.cooldown_frac}")
+    for flag, value in (("--muon-momentum-warmup", args.muon_momentum_warmup),
+                        ("--muon-momentum-cooldown", args.muon_momentum_cooldown)):
+        need(len(value) == 3 and value[2] >= 0, f"{flag} takes START,END,STEPS with STEPS >= 0, got "
+                                                f"{','.join(map(str, value))}")
+    need(all(bs > 0 for bs in (*args.train_bs_schedule, args.train_bs_extension)),
+         "--train-bs-schedule and --train-bs-extension must be positive token counts")
     need(args.train_epochs >= 1, "--train-epochs must be >= 1")
     need(args.val_batch_size > 0 and args.val_tokens % args.val_batch_size == 0,
          f"--val-tokens ({args.val_tokens}) must be a multiple of --val-batch-size ({args.val_batch_size})")
@@ -1971,51 +1986,101 @@ def validation_batches(path, val_batch_size: int, val_tokens: int, grad_accum_st
 # =====================================================================================
 # 6. Schedules  (x = step / num_scheduled_iterations)
 # =====================================================================================
+# The record's formulas, written so that every schedule length gives what the record's script would give:
+# the same float expressions (x = step / N, int(len * x)), the same comparisons, the same precedence.
 
-def get_stage(step: int, args: Hyperparameters):
-    """Batch-size/window stage index, or None for the extension steps."""
-    if step >= args.num_scheduled_iterations:
-        return None
-    return min(len(args.train_bs_schedule) * step // args.num_scheduled_iterations, len(args.train_bs_schedule) - 1)
+@dataclass(frozen=True)
+class Stage:
+    """One batch-size/window stage: the scheduled stages, then the extension."""
+    name: str          # "stage 1".."stage K" or "extension"
+    first_step: int
+    batch_size: int    # global tokens per step
+    ws_short: int      # attention windows in blocks of block_size: the short window is half the long one
+    ws_long: int
+
+
+def stage_index(step: int, args: Hyperparameters) -> int:
+    """Index into stages(args): int(K * step / N) for the scheduled steps, K for the extension."""
+    N, k = args.num_scheduled_iterations, len(args.train_bs_schedule)
+    if step >= N:
+        return k
+    return int(k * (step / N))
+
+
+def make_stage(i: int, args: Hyperparameters) -> Stage:
+    """Stage i of stages(args), without building the others."""
+    N, k = args.num_scheduled_iterations, len(args.train_bs_schedule)
+    if i == k:
+        return Stage("extension", N, args.train_bs_extension, args.ws_final // 2, args.ws_final)
+    first = -(-i * N // k)  # about where int(k * step / N) reaches i; the float rounding decides the exact step
+    while first > 0 and stage_index(first - 1, args) >= i:
+        first -= 1
+    while stage_index(first, args) < i:
+        first += 1
+    long = args.ws_schedule[i]
+    return Stage(f"stage {i + 1}", first, args.train_bs_schedule[i], long // 2, long)
+
+
+def stages(args: Hyperparameters) -> list:
+    """The stage table used by the schedules, the kernel warm-up and the benchmark."""
+    return [make_stage(i, args) for i in range(len(args.train_bs_schedule) + 1)]
+
+
+def eval_windows(args: Hyperparameters) -> list:
+    """(short, long) window pairs validation runs with: each stage's, then the final one (long window widened
+    without another YaRN update)."""
+    table = stages(args)
+    return [(s.ws_short, s.ws_long) for s in table] + [(table[-1].ws_short, args.ws_validate_post_yarn_ext)]
+
+
+def stage_at(step: int, args: Hyperparameters) -> Stage:
+    return make_stage(stage_index(step, args), args)
 
 
 def get_bs(step: int, args: Hyperparameters) -> int:
-    stage = get_stage(step, args)
-    return args.train_bs_extension if stage is None else args.train_bs_schedule[stage]
+    return stage_at(step, args).batch_size
 
 
 def get_ws(step: int, args: Hyperparameters) -> tuple:
     """(short, long) attention windows in blocks."""
-    stage = get_stage(step, args)
-    long = args.ws_final if stage is None else args.ws_schedule[stage]
-    return long // 2, long
+    s = stage_at(step, args)
+    return s.ws_short, s.ws_long
 
 
 def get_lr(step: int, args: Hyperparameters) -> float:
     """Multiplier on every group's initial lr: a plateau that rises with the batch size, then a linear
-    cooldown to lr_floor over the last cooldown_frac of the scheduled steps."""
-    x = step / args.num_scheduled_iterations
-    if x >= 1:
+    cooldown to lr_floor over the last cooldown_frac of the scheduled steps; lr_floor in the extension."""
+    if step > args.num_scheduled_iterations:
         return args.lr_floor
+    x = step / args.num_scheduled_iterations
     plateau = args.lr_plateaus[0]
     for start, value in zip(args.lr_plateau_starts[1:], args.lr_plateaus[1:]):
         if x > start:
             plateau = value
     if x >= 1 - args.cooldown_frac:
         w = (1 - x) / args.cooldown_frac
-        return plateau * w + args.lr_floor * (1 - w)
+        return plateau * w + (1 - w) * args.lr_floor
     return plateau
 
 
 def get_muon_momentum(step: int, args: Hyperparameters) -> float:
-    start, end, warmup = args.muon_momentum_warmup
-    frac = min(step / warmup, 1)
-    momentum = (1 - frac) * start + frac * end
-    top, drop, cooldown = args.muon_momentum_cooldown
-    cooldown_start = args.num_iterations - cooldown
+    """Warm-up ramp over the first steps, then flat, then a cool-down over the last steps of the run. The
+    warm-up wins where the two overlap, so a run of at most warm-up length never leaves the ramp."""
+    w_from, w_to, w_steps = args.muon_momentum_warmup
+    c_from, c_to, c_steps = args.muon_momentum_cooldown
+    cooldown_start = args.num_iterations - c_steps
+    if step < w_steps:
+        return w_from + (step / w_steps) * (w_to - w_from)
     if step > cooldown_start:
-        momentum = top - drop * (step - cooldown_start) / cooldown
-    return momentum
+        return c_from - ((step - cooldown_start) / c_steps) * (c_from - c_to)
+    return w_to
+
+
+def schedule_line(step: int, args: Hyperparameters) -> str:
+    """What the schedules say at a step: logged at each stage switch."""
+    s = stage_at(step, args)
+    return (f"schedule: step {step} {s.name}: batch {s.batch_size} windows ({s.ws_short}, {s.ws_long}) "
+            f"lr x{get_lr(step, args):.4f} muon momentum {get_muon_momentum(step, args):.4f}")
 
 
 # =====================================================================================
@@ -2159,29 +2224,30 @@ class Trainer:
         self.warm_up_times = []  # (label, seconds): where the cold start goes
         initial = copy.deepcopy(dict(model=self.model.state_dict(),
                                      opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
-        stages = list(zip([*a.ws_schedule, a.ws_final], [*a.train_bs_schedule, a.train_bs_extension]))
-        batches = self.new_batches(stages[0][1])
+        table = stages(a)
+        batches = self.new_batches(table[0].batch_size)
         previous = None
-        for long, batch_size in stages:
+        for stage in table:
             t = time.time()
             if previous is not None:
-                self.model.yarn.apply(previous, long)
-            previous = long
+                self.model.yarn.apply(previous, stage.ws_long)
+            previous = stage.ws_long
             for k in range(a.warmup_steps_per_stage):
-                self.train_step(k, batches, (batch_size, a.train_max_seq_len, self.grad_accum_steps), long // 2, long,
-                                micro_batches=1)
+                self.train_step(k, batches, (stage.batch_size, a.train_max_seq_len, self.grad_accum_steps),
+                                stage.ws_short, stage.ws_long, micro_batches=1)
             synchronize(self.device)
             seconds = time.time() - t
-            self.warm_up_times.append((f"train batch {batch_size} window {long}", seconds))
-            self.console(f"warm-up: train steps for batch {batch_size}, window {long}: {seconds:.1f}s "
+            self.warm_up_times.append((f"train batch {stage.batch_size} window {stage.ws_long}", seconds))
+            self.console(f"warm-up: train steps for batch {stage.batch_size}, window {stage.ws_long}: {seconds:.1f}s "
                          f"({compiled_graph_count()} graphs compiled so far)")
         if self.adam.should_sync:
             self.adam.step()  # an odd number of warm-up steps leaves reduce-scatters in flight
         self.model.zero_grad(set_to_none=True)
         self.model.yarn.reset()
         previous = None
-        for short, long in [(w // 2, w) for w in (*a.ws_schedule, a.ws_final)] + [(a.ws_final // 2, a.ws_validate_post_yarn_ext)]:
-            if previous is not None and long != a.ws_validate_post_yarn_ext:
+        windows = eval_windows(a)
+        for i, (short, long) in enumerate(windows):
+            if previous is not None and i < len(windows) - 1:  # the final validation widens without YaRN
                 self.model.yarn.apply(previous, long)
             previous = long
             t = time.time()
@@ -2205,16 +2271,21 @@ class Trainer:
     def _timed_loop(self):
         a, log = self.args, self.log
         total = a.num_iterations
-        batches = self.new_batches(get_bs(0, a))
-        current_long = get_ws(0, a)[1]
-        previous_bs = get_bs(0, a)
+        table = stages(a)
+        batches = self.new_batches(table[0].batch_size)
+        current_long = table[0].ws_long
+        previous_bs = table[0].batch_size
+        switch_steps = {s.first_step for s in table if s.first_step < total}
         training_time_ms = 0.0
         gc.collect()  # no stop-the-world gen-2 collection in the timed region
         synchronize(self.device)
         t0 = time.perf_counter()
         for step in range(total + 1):
             last = step == total
-            ws_short, ws_long = get_ws(step, a)
+            stage = table[stage_index(step, a)]
+            ws_short, ws_long = stage.ws_short, stage.ws_long
+            if step in switch_steps:
+                log(schedule_line(step, a))
             if ws_long != current_long:
                 self.model.yarn.apply(current_long, ws_long)
                 current_long = ws_long
@@ -2229,7 +2300,7 @@ class Trainer:
                 t0 = time.perf_counter()
             if last:
                 break
-            bs = get_bs(step, a)
+            bs = stage.batch_size
             settings = (bs, a.train_max_seq_len, self.grad_accum_steps) if bs != previous_bs else None
             previous_bs = bs
             self.set_schedules(step)
