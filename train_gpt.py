@@ -963,12 +963,13 @@ def normuon_second_moment(v: Tensor, second_moment: Tensor, beta2: float, dim: i
     """NorMuon step 4: per-row (dim=-1) or per-column (dim=-2) RMS normalisation of the orthogonalized update.
 
     v: (..., rows, cols) orthogonalized update (bf16 on CUDA). second_moment: running mean of v**2 along `dim`,
-    shape v.shape with `dim` reduced to 1, fp32, updated in place. Returns the normalised update in v's dtype;
+    shape v.shape with `dim` reduced to 1, in the param's dtype, updated in place. Returns the normalised update in v's dtype;
     each matrix keeps its Frobenius norm.
     """
     vf = v.float()
-    second_moment.lerp_(vf.square().mean(dim=dim, keepdim=True), 1.0 - beta2)
-    vn = vf * second_moment.clamp_min(1e-10).rsqrt()
+    # fp32 arithmetic, one rounding into the buffer's dtype; the update then uses the stored (rounded) value
+    second_moment.copy_(second_moment.float().lerp(vf.square().mean(dim=dim, keepdim=True), 1.0 - beta2))
+    vn = vf * second_moment.float().clamp_min(1e-10).rsqrt()
     scale = vf.norm(dim=(-2, -1), keepdim=True) / vn.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10)
     return (vn * scale).to(v.dtype)
 
@@ -1008,7 +1009,7 @@ class NorMuon(torch.optim.Optimizer):
 
     Group keys: params, lr, weight_decay, momentum, beta2, label (group name), plus what the trainer adds
     (initial_lr). Lazily created, per group: momentum_buffer (param dtype, local shard stacked),
-    second_momentum_buffer (fp32), lr_eff / wd_eff (lists of 0-D CPU fp32 tensors, one per local param).
+    second_momentum_buffer (param dtype), lr_eff / wd_eff (lists of 0-D CPU fp32 tensors, one per local param).
     They disappear with load_state_dict of a state saved before the first step and are re-created as zeros.
     """
 
@@ -1114,7 +1115,8 @@ class NorMuon(torch.optim.Optimizer):
         if "second_momentum_buffer" not in group:
             stat_shape = list(v.shape)
             stat_shape[dim] = 1
-            group["second_momentum_buffer"] = torch.zeros(stat_shape, dtype=torch.float32, device=v.device)
+            # The param's dtype, as in the record: bf16 for the gates, fp32 for the attention and MLP matrices.
+            group["second_momentum_buffer"] = torch.zeros(stat_shape, dtype=grads.dtype, device=v.device)
         v = self._second_moment_fn(v, group["second_momentum_buffer"], group["beta2"], dim)
         v = v.view(n, rows, cols)
         if "lr_eff" not in group:

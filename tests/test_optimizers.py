@@ -317,7 +317,7 @@ def test_normuon_first_step_by_hand(label, shape, lr_mul, factor):
     expected = p0 - lr * factor * (vn + lr * wd * mask * p0)
     torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-7)
     S = opt.param_groups[0]["second_momentum_buffer"]
-    assert S.dtype == torch.float32
+    assert S.dtype == p.dtype
     assert tuple(S.shape) == ((4, shape[1], 1) if label == "attn" else (1, shape[0], 1))
     assert opt.param_groups[0]["momentum_buffer"].dtype == p.dtype
     lr_eff = opt.param_groups[0]["lr_eff"][0]
@@ -333,6 +333,7 @@ def test_normuon_bf16_gate_stays_bf16():
     before = p.detach().clone()
     opt.step()
     assert p.dtype == torch.bfloat16 and not torch.equal(p, before)
+    assert opt.param_groups[0]["second_momentum_buffer"].dtype == torch.bfloat16  # the record's buffer dtype
     assert opt.param_groups[0]["momentum_buffer"].dtype == torch.bfloat16
 
 
