@@ -1,53 +1,175 @@
 #!/usr/bin/env bash
-# speedrun launcher. Usage:
-#   ./run.sh                    install requirements, fetch 9 FineWeb train shards + val, train on all visible GPUs
-#   ./run.sh test               run the CPU test suite (no GPU, no network needed)
-#   ./run.sh proxy [CORPUS_DIR] build proxy shards in data/proxy from the shared stand-in corpus (offline)
-#   ./run.sh record NAME N [ARGS...]  run the trainer N times and collect the logs into records/<date>_NAME
-# Extra arguments after the default form go to train_gpt.py, e.g. ./run.sh --data-path data/proxy
+# speedrun launcher. The usage text below is also what `./run.sh --help` prints.
 set -euo pipefail
-cd "$(dirname "$0")"
-PY=${PYTHON:-python3}
 
-num_gpus() {
-    if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; else echo 0; fi
+usage() {
+    cat <<'EOF'
+Usage: ./run.sh [COMMAND] [ARGS...]
+
+On a Linux machine with NVIDIA GPUs and internet:
+  ./run.sh [TRAIN_ARGS...]        same as `./run.sh train`
+  ./run.sh train [TRAIN_ARGS...]  setup-gpu, download 9 FineWeb train shards + the val shard into
+                                  data/fineweb10B/ (skipped with --data-path DIR), then
+                                  torchrun --standalone --nproc_per_node=<GPUs> train_gpt.py TRAIN_ARGS
+  ./run.sh setup-gpu              pip-install requirements.txt, then requirements-gpu.txt (optional
+                                  FlashAttention-4; skipped where it does not install)
+
+On any machine, GPU or not:
+  ./run.sh setup-cpu              CPU torch (from download.pytorch.org/whl/cpu), then requirements-dev.txt
+                                  (runtime packages + pytest); TORCH_CPU_SPEC / TORCH_CPU_INDEX override
+                                  the torch requirement and its index (TORCH_CPU_INDEX= : pip's default)
+  ./run.sh test [PYTEST_ARGS...]  the test suite on the CPU (python -m pytest -q tests); needs no GPU and
+                                  no network, only `./run.sh setup-cpu` (or requirements-dev.txt) first
+  ./run.sh proxy [CORPUS_DIR]     build data/proxy/ shards from CORPUS_DIR/{train,val}.jsonl.xz (offline;
+                                  default ../shared/corpus); train on them with --data-path data/proxy,
+                                  e.g. on a CPU: torchrun --standalone --nproc_per_node=2 train_gpt.py --smoke --data-path data/proxy
+  ./run.sh record NAME N [OPTIONS] [TRAIN_ARGS...]
+                                  run the trainer N times, collect the logs into records/<date>_NAME
+                                  (python3 records/compare.py run --help lists the OPTIONS)
+  ./run.sh help | -h | --help     this text
+
+Arguments that start with "-" go to train_gpt.py (`./run.sh --data-path data/proxy`); `python3 train_gpt.py
+--help` lists them. Packages go into the CURRENT Python environment (activate a venv first for isolation);
+PYTHON=/path/to/python picks the interpreter (default python3).
+EOF
 }
 
-launch() {  # launch [train_gpt.py args...]
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+COMMANDS="train, setup-gpu, setup-cpu, test, proxy, record, help"
+
+die() {  # die EXIT_CODE MESSAGE: one line on stderr
+    echo "run.sh: $2" >&2
+    exit "$1"
+}
+
+num_gpus() {
+    # nvidia-smi missing, or present but failing (no driver), both mean no usable GPU.
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        { nvidia-smi -L 2>/dev/null || true; } | grep -c '^GPU' || true
+    else
+        echo 0
+    fi
+}
+
+require_gpu() {
+    # Checked before anything is installed or downloaded: without a GPU those steps only waste minutes (9 shards
+    # of Hub retries when offline) before the trainer fails anyway.
     local n; n=$(num_gpus)
     if [ "$n" -lt 1 ]; then
-        echo "run.sh: no NVIDIA GPU visible. For a CPU smoke run: torchrun --standalone --nproc_per_node=2 train_gpt.py --smoke --data-path data/proxy" >&2
-        exit 1
+        cat >&2 <<'EOF'
+run.sh: no NVIDIA GPU found (nvidia-smi is missing or lists no GPU); training the speedrun needs one, so nothing was installed or downloaded.
+  CPU test suite:                     ./run.sh setup-cpu && ./run.sh test
+  CPU smoke run on offline proxy data: ./run.sh proxy CORPUS_DIR && torchrun --standalone --nproc_per_node=2 train_gpt.py --smoke --data-path data/proxy
+EOF
+        exit 2
     fi
+    GPUS=$n
+}
+
+setup_gpu() {
+    echo "run.sh: installing requirements.txt into $("$PY" -c 'import sys; print(sys.prefix)')"
+    "$PY" -m pip install -q --disable-pip-version-check -r requirements.txt
+    local cuda
+    cuda=$("$PY" -c 'import torch; print(torch.version.cuda if torch.cuda.is_available() else "")' 2>/dev/null) || cuda=""
+    if [ -z "$cuda" ]; then
+        die 2 "the installed torch cannot use the GPU (a CPU-only build?); install a CUDA build, e.g. $PY -m pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cu130, then re-run"
+    fi
+    # FlashAttention-4 is optional (the trainer falls back to PyTorch's FA2 kernels) and its CuTe DSL is the CUDA 13
+    # build, so it is only tried on CUDA 13 torch, and a failed install does not stop the run.
+    if ! [[ $cuda =~ ^[0-9]+ ]] || [ "${BASH_REMATCH[0]}" -lt 13 ]; then
+        echo "run.sh: skipping requirements-gpu.txt (FlashAttention-4 needs a CUDA 13 build of torch, this one is CUDA $cuda); attention uses PyTorch's FA2 kernels"
+    elif ! "$PY" -m pip install -q --disable-pip-version-check -r requirements-gpu.txt; then
+        echo "run.sh: requirements-gpu.txt did not install (see above); carrying on without FlashAttention-4 (attention uses PyTorch's FA2 kernels)"
+    fi
+}
+
+# --data-path DIR other than the default means the data is already there (e.g. proxy shards): no FineWeb download.
+custom_data_path() {
+    local prev="" a p
+    for a in "$@"; do
+        p=""
+        case "$a" in
+            --data-path=*) p=${a#--data-path=} ;;
+            *) [ "$prev" = "--data-path" ] && p=$a ;;
+        esac
+        prev=$a
+        if [ -n "$p" ]; then
+            p=${p#./}; p=${p%/}
+            [ "$p" != "data/fineweb10B" ] && return 0
+        fi
+    done
+    return 1
+}
+
+launch() {  # launch [train_gpt.py args...]; needs GPUS from require_gpu
+    local n=$GPUS k
     # 1, 2, 4 or 8 GPUs use gradient accumulation to keep the global batch; more than 8 must be a multiple of 8.
     if [ "$n" -gt 8 ] || [ $((8 % n)) -ne 0 ]; then
         for k in 8 4 2 1; do if [ "$n" -ge $k ]; then n=$k; break; fi; done
         echo "run.sh: using $n of the visible GPUs (the trainer supports 1, 2, 4 or 8 per node)" >&2
     fi
+    # The device machines have no NVLink multicast: NCCL, symmetric memory and NVSHMEM must not try it.
     export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
         NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
-    "$PY" -m torch.distributed.run --standalone --nproc_per_node="$n" train_gpt.py "$@"
+    exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$n" train_gpt.py "$@"
 }
 
-case "${1:-}" in
-    test)
-        shift
-        exec "$PY" -m pytest -q tests "$@"
-        ;;
-    proxy)
-        corpus=${2:-../shared/corpus}
-        exec "$PY" data/fineweb.py --input "$corpus/train.jsonl.xz" --val-input "$corpus/val.jsonl.xz" \
-            --out-dir data/proxy
-        ;;
-    record)
-        shift
-        exec "$PY" records/compare.py run "$@"
-        ;;
-    *)
-        # Installs into the current Python environment (activate a venv first if you want isolation).
-        echo "run.sh: installing requirements into $("$PY" -c 'import sys; print(sys.prefix)')"
-        "$PY" -m pip install -q -r requirements.txt
+train() {
+    require_gpu
+    setup_gpu
+    if custom_data_path "$@"; then
+        echo "run.sh: --data-path given, not downloading FineWeb"
+    else
         "$PY" data/cached_fineweb10B.py 9
-        launch "$@"
-        ;;
+    fi
+    launch "$@"
+}
+
+setup_cpu() {
+    # A plain `pip install torch` on Linux pulls the multi-GB CUDA build; the CPU wheel comes from PyTorch's CPU
+    # index. CI (no access to that index) sets TORCH_CPU_SPEC=torch==2.13.0 TORCH_CPU_INDEX= to take a local wheel.
+    local spec=${TORCH_CPU_SPEC:-torch} index=${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}
+    echo "run.sh: installing CPU torch ($spec${index:+ from $index}) and requirements-dev.txt into $("$PY" -c 'import sys; print(sys.prefix)')"
+    "$PY" -m pip install --disable-pip-version-check "$spec" ${index:+--index-url "$index"}
+    "$PY" -m pip install --disable-pip-version-check -r requirements-dev.txt
+    "$PY" -c 'import torch, triton, pytest; print("run.sh: CPU test environment ready: torch", torch.__version__, "triton", triton.__version__, "pytest", pytest.__version__)'
+}
+
+run_tests() {
+    # find_spec only looks the packages up (no torch import), so this check costs milliseconds.
+    local missing
+    missing=$("$PY" -c 'import importlib.util as u; print(" ".join(m for m in ("pytest", "torch", "triton", "numpy", "tiktoken") if u.find_spec(m) is None))') \
+        || die 2 "cannot run $PY; set PYTHON=/path/to/python"
+    if [ -n "$missing" ]; then
+        die 2 "the test environment is not set up ($missing not installed for $PY); run ./run.sh setup-cpu first (CPU torch + requirements-dev.txt), or $PY -m pip install -r requirements-dev.txt where torch is already installed"
+    fi
+    exec "$PY" -m pytest -q tests "$@"
+}
+
+proxy() {
+    [ $# -le 1 ] || die 2 "proxy takes one argument, the corpus folder (got $#); usage: ./run.sh proxy [CORPUS_DIR]"
+    local corpus=${1:-../shared/corpus}
+    if [ ! -f "$corpus/train.jsonl.xz" ] || [ ! -f "$corpus/val.jsonl.xz" ]; then
+        die 2 "no train.jsonl.xz and val.jsonl.xz in '$corpus'; pass the folder that holds them: ./run.sh proxy CORPUS_DIR"
+    fi
+    exec "$PY" data/fineweb.py --input "$corpus/train.jsonl.xz" --val-input "$corpus/val.jsonl.xz" --out-dir data/proxy
+}
+
+# The first word picks the command; none, or a flag, is the default form (flags go to the trainer).
+cmd=train
+case "${1:-}" in
+    -h | --help | help) usage; exit 0 ;;
+    "" | -*) ;;
+    *) cmd=$1; shift ;;
+esac
+case "$cmd" in
+    train) train "$@" ;;
+    setup-gpu | setup-cpu)
+        [ $# -eq 0 ] || die 2 "$cmd takes no arguments (got: $*); ./run.sh --help shows the usage"
+        if [ "$cmd" = setup-gpu ]; then require_gpu; setup_gpu; else setup_cpu; fi ;;
+    test) run_tests "$@" ;;
+    proxy) proxy "$@" ;;
+    record) exec "$PY" records/compare.py run "$@" ;;
+    *) die 2 "unknown command '$cmd' (commands: $COMMANDS); ./run.sh --help shows the usage" ;;
 esac

@@ -7,7 +7,8 @@ Fetches fineweb_val_000000.bin and fineweb_train_000001.bin ... fineweb_train_{N
 900M train tokens; 0..103, 103 = the whole 10B sample) from the dataset repo kjj0/fineweb10B-gpt2 into
 data/fineweb10B/ beside this script. Shards already present with a valid header and size are skipped; invalid ones
 are deleted and downloaded again; every downloaded shard is validated. Exit status 1 if any shard is missing or
-invalid at the end: re-running the same command resumes. Set HF_ENDPOINT to use a Hub mirror.
+invalid at the end: re-running the same command resumes. Exit status 2 for a bad command line (N out of range, an
+--out-dir that cannot be a folder), before anything is created or downloaded. Set HF_ENDPOINT to use a Hub mirror.
 """
 import argparse
 import os
@@ -36,6 +37,21 @@ def shard_problem(path: Path):
         return None
     except ShardError as e:
         return str(e)
+
+
+def out_dir_problem(path: Path):
+    """None if `path` is a folder or can be made one, else a one-line reason; checked before anything is created
+    (mkdir on an existing file would otherwise end in a FileExistsError traceback)."""
+    if os.path.lexists(path) and not path.is_dir():  # a file, or a symlink to nothing
+        return f"--out-dir {path} is an existing file, not a folder; remove it or choose another --out-dir"
+    existing = path
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"--out-dir {path} cannot be created because {existing} is a file; choose another --out-dir"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--out-dir {path}: no permission to write in {existing}; choose another --out-dir"
+    return None
 
 
 def one_line(exc: BaseException) -> str:
@@ -73,6 +89,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     out_dir = args.out_dir
+    problem = out_dir_problem(out_dir)
+    if problem:
+        print(f"cached_fineweb10B.py: error: {problem}", file=sys.stderr)
+        return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     names = shard_names(args.num_train)
     failed = []

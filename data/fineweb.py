@@ -20,6 +20,7 @@ The GPT-2 BPE files ship with the repo in data/tiktoken_cache (TIKTOKEN_CACHE_DI
 import argparse
 import ast
 import gzip
+import importlib.util
 import json
 import lzma
 import multiprocessing
@@ -67,7 +68,12 @@ HF_VERSIONS = {"10B": "sample-10BT", "100B": "sample-100BT"}
 
 
 class BuildError(Exception):
-    """Bad input or options: reported as one line on stderr, exit status 1."""
+    """Bad input data found while building: reported as one line on stderr, exit status 1."""
+
+
+class UsageError(BuildError):
+    """A bad command line, found before anything is read or created (a missing or unsupported input path, an
+    --out-dir that cannot be a folder): one line on stderr, exit status 2, like argparse's own errors."""
 
 
 def shard_name(index: int) -> str:
@@ -83,7 +89,8 @@ def input_format(path: Path) -> str:
     for suffix in FORMATS:
         if name.endswith(suffix):
             return suffix
-    raise BuildError(f"{path}: unsupported input type (expected one of {', '.join(sorted(FORMATS))})")
+    raise UsageError(f"{path}: unsupported input type (expected one of {', '.join(sorted(FORMATS))}); "
+                     f"convert it, or pass the files of a supported type")
 
 
 def expand_inputs(paths) -> list:
@@ -93,16 +100,43 @@ def expand_inputs(paths) -> list:
         if p.is_dir():
             found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.lower().endswith(FORMATS))
             if not found:
-                raise BuildError(f"{p}: directory holds no {'/'.join(FORMATS)} files")
+                raise UsageError(f"{p}: directory holds no {'/'.join(FORMATS)} files; pass the folder or files "
+                                 f"that hold the documents")
             out.extend(found)
         elif p.is_file():
             input_format(p)
             out.append(p)
         elif p.exists():
-            raise BuildError(f"{p}: not a regular file")
+            raise UsageError(f"{p}: not a regular file; pass a file or a folder of documents")
         else:
-            raise BuildError(f"{p}: no such file")
+            raise UsageError(f"{p}: no such file; check the --input / --val-input paths")
     return out
+
+
+def out_dir_problem(path: Path):
+    """None if `path` is a folder or can be made one, else a one-line reason (checked before anything is created,
+    so that a bad --out-dir is a clear error rather than a FileExistsError traceback after the input was read)."""
+    if os.path.lexists(path) and not path.is_dir():  # a file, or a symlink to nothing
+        return f"--out-dir {path} is an existing file, not a folder; remove it or choose another --out-dir"
+    existing = path
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"--out-dir {path} cannot be created because {existing} is a file; choose another --out-dir"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--out-dir {path}: no permission to write in {existing}; choose another --out-dir"
+    return None
+
+
+def make_out_dir(path: Path) -> list:
+    """mkdir -p; returns the folders it created, deepest first, so that a failed build can remove them again."""
+    created = []
+    d = path
+    while not os.path.lexists(d):
+        created.append(d)
+        d = d.parent
+    path.mkdir(parents=True, exist_ok=True)
+    return created
 
 
 def _utf8_error(path, data: bytes, err: UnicodeDecodeError, base_offset=0, line=None) -> BuildError:
@@ -350,10 +384,18 @@ def parse_args(argv=None):
 
 
 def build(args) -> dict:
-    """Tokenize and write all shards; return counts. Raises BuildError on bad input."""
+    """Tokenize and write all shards; return counts. Raises UsageError on a bad command line (before anything is
+    created), BuildError on bad input data (a folder it created for the output is removed again)."""
+    problem = out_dir_problem(args.out_dir)
+    if problem:
+        raise UsageError(problem)
     val_paths = expand_inputs(args.val_input) if args.val_input else []
     train_paths = expand_inputs(args.input) if args.input else []
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.version and importlib.util.find_spec("datasets") is None:
+        raise BuildError("--version streams from the Hugging Face Hub and needs the `datasets` package: "
+                         "pip install datasets")
+    _load_encoding()
+    created = make_out_dir(args.out_dir)
 
     # The document stream, tagged so the writer knows where --val-input ends.
     def stream():
@@ -371,7 +413,6 @@ def build(args) -> dict:
         bar = tqdm(unit=" docs", mininterval=0.5, smoothing=0.1, dynamic_ncols=True, disable=None)
         pool = None
         try:
-            _load_encoding()
             if args.workers > 1:
                 pool = multiprocessing.Pool(args.workers, initializer=_init_worker)
                 encode = lambda texts: pool.imap(_tokenize_or_marker, texts, chunksize=args.chunksize)  # noqa: E731
@@ -419,6 +460,11 @@ def build(args) -> dict:
         stats["stale_removed"] = len(stale)
     except BaseException:
         writer.abort()
+        for d in created:  # the output folders this run created, if still empty: a failed build leaves nothing
+            try:
+                d.rmdir()
+            except OSError:
+                break
         raise
     stats["seconds"] = time.perf_counter() - t0
     stats["shards"] = [(final, n) for _, final, n in writer.written]
@@ -435,7 +481,7 @@ def main(argv=None) -> int:
         stats = build(args)
     except BuildError as e:
         print(f"fineweb.py: error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:
         print("fineweb.py: interrupted, no shards written", file=sys.stderr)
         return 130

@@ -208,7 +208,11 @@ def test_rebuild_replaces_stale_shards(tmp_path):
     assert names(out) == ["fineweb_val_000000.bin"]
 
 
-# ---- bad input: run the real CLI, expect exit 1, a one-line message naming the problem, and no shard left ----
+# ---- bad input: run the real CLI, expect a one-line message naming the problem and nothing left behind: exit 2
+# for a bad command line (an input path that is missing or of an unsupported type: found before anything is read or
+# created), exit 1 for bad data found while building ----
+
+USAGE_CASES = ("missing", "unknown_ext")
 
 def _bad_cases(tmp: Path):
     good = write_jsonl(tmp / "good.jsonl", DOCS)
@@ -267,12 +271,12 @@ def bad_results(tmp_path_factory):
 def test_bad_input(bad_results, case):
     cases, results = bad_results
     out, r = results[case]
-    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.returncode == (2 if case in USAGE_CASES else 1), r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fineweb.py: error: "), r.stderr
     for needle in cases[case][1]:
         assert needle in lines[0], (needle, lines[0])
-    assert not out.exists() or names(out) == []  # no shard under a final name, no .tmp left
+    assert not out.exists()  # no shard, no .tmp, not even the (empty) output folder the build created
 
 
 def test_bad_options():
