@@ -1,6 +1,10 @@
 """Tests for records/compare.py: log parsing, statistics, compare/diff/plot/new/run subcommands."""
 import importlib.util
+import json
 import math
+import os
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -217,8 +221,8 @@ def test_compare_cli_verdict(tmp_path, capsys):
     assert f"p={rc.fp(ref)}" in out
     assert "verdict: NEW is faster by 1.511 s" in out and ", significant" in out
     assert "loss target 3.28 held (p=0.002439 < 0.01)" in out
-    # same comparison with --new/--prior and a comma list
-    code, out2, _ = cli(capsys, "compare", "--new", ",".join(map(str, new)), "--prior", tmp_path / "prior")
+    # same comparison with NEW as a comma list of logs
+    code, out2, _ = cli(capsys, "compare", ",".join(map(str, new)), tmp_path / "prior")
     assert code == 0 and "verdict: NEW is faster by 1.511 s" in out2
     # reversed: slower and target not held
     code, out3, _ = cli(capsys, "compare", tmp_path / "prior", tmp_path / "new")
@@ -251,7 +255,8 @@ def test_malformed_logs_are_named_and_skipped(tmp_path, capsys):
     assert "| a_good.txt" in out
     # nothing usable at all -> error exit, files still named
     code, out, err = cli(capsys, "summary", d / "b_empty.txt", d / "e_binary.txt")
-    assert code == 1 and "b_empty.txt" in out and "e_binary.txt" in out and "no finished runs" in err
+    assert code == 2 and "b_empty.txt" in out and "e_binary.txt" in out and "no finished runs" in err
+    assert len(err.splitlines()) == 1
 
 
 # ---------------------------------------------------------------------------------------------- diff
@@ -270,13 +275,13 @@ def test_diff_shows_exactly_the_changed_line(tmp_path, capsys):
     py.write_text(SCRIPT)
     code, out, _ = cli(capsys, "diff", py, a)
     assert code == 0 and "no code differences" in out
-    # a directory means its first log
+    # a folder holding exactly one log means that log
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "x.txt").write_text(b.read_text())
     code, out, _ = cli(capsys, "diff", tmp_path / "dir", py)
-    assert "+LR = 0.07" in out
+    assert code == 0 and "+LR = 0.07" in out
     code, out, err = cli(capsys, "diff", tmp_path / "nope.txt", py)
-    assert code == 1 and "nope.txt" in err
+    assert code == 2 and "nope.txt" in err and len(err.splitlines()) == 1
 
 
 def test_diff_upstream_logs_identical_scripts(capsys):
@@ -306,7 +311,7 @@ def test_plot_upstream_and_cpu(tmp_path, capsys):
     assert code == 0
     _assert_png(out2)
     code, _, err = cli(capsys, "plot", tmp_path / "missing", "-o", tmp_path / "none.png")
-    assert code == 1 and not (tmp_path / "none.png").exists()
+    assert code == 2 and not (tmp_path / "none.png").exists() and len(err.splitlines()) == 1
 
 
 # ---------------------------------------------------------------------------------------------- new / run
@@ -339,8 +344,8 @@ def test_new_creates_record(tmp_path, capsys):
     assert "[2025-12-11_upstream-1211](2025-12-11_upstream-1211/README.md)" in row
     assert top[h + 3] == "" and "## Usage" in top  # rest of the file untouched
     # refuses to overwrite, --force replaces (no duplicate row)
-    with pytest.raises(SystemExit, match="already exists"):
-        rc.main(["new", "upstream-1211", str(RUN1), "--records-dir", str(recs), "--date", "2025-12-11"])
+    code, _, err = cli(capsys, "new", "upstream-1211", RUN1, "--records-dir", recs, "--date", "2025-12-11")
+    assert code == 2 and "already exists" in err and "--force" in err
     code, _, _ = cli(capsys, "new", "upstream-1211", RUN1, "--records-dir", recs, "--date", "2025-12-11", "--force",
                      "--hardware", "8xH100 SXM")
     text = (recs / "README.md").read_text()
@@ -350,17 +355,17 @@ def test_new_creates_record(tmp_path, capsys):
 
 def test_new_creates_records_readme_and_refuses_empty(tmp_path, capsys):
     recs = tmp_path / "r"
-    code, _, _ = cli(capsys, "new", "cpu", CPU, "--records-dir", recs, "--date", "2030-01-02")
+    code, _, _ = cli(capsys, "new", "cpu", CPU, "--records-dir", recs, "--date", "2030-01-02", "--not-a-record")
     assert code == 0
     text = (recs / "README.md").read_text()
     assert rc.TABLE_HEADER in text and "| 2030-01-02 | 14.731 s | 6.8358 | 1 | CPU (2 procs) |" in text
     empty = tmp_path / "e.txt"
     empty.write_text("")
-    with pytest.raises(SystemExit, match="no finished runs"):
-        rc.main(["new", "nothing", str(empty), "--records-dir", str(recs), "--date", "2030-01-02"])
-    assert not (recs / "2030-01-02_nothing").exists()
-    with pytest.raises(SystemExit, match="record name"):
-        rc.main(["new", "../evil", str(CPU), "--records-dir", str(recs)])
+    for argv, msg in ((["nothing", empty], "no finished runs"), (["../evil", CPU], "record name"),
+                      (["ok", RUN1, "--date", "2030-13-01"], "YYYY-MM-DD")):
+        code, _, err = cli(capsys, "new", *argv, "--records-dir", recs)
+        assert code == 2 and msg in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in recs.iterdir()) == ["2030-01-02_cpu", "README.md"]
 
 
 def test_split_run_argv():
@@ -369,8 +374,24 @@ def test_split_run_argv():
     assert rc.split_run_argv(["--nproc", "2", "--force", "exp", "3", "--", "--x", "1"]) == (
         ["--nproc", "2", "--force", "exp", "3"], ["--x", "1"])
     assert rc.split_run_argv(["exp", "2"]) == (["exp", "2"], [])
-    with pytest.raises(SystemExit):
-        rc.split_run_argv(["--bogus", "exp", "3"])
+    # the tool's options anywhere before `--`, also after NAME N and between trainer arguments
+    assert rc.split_run_argv(["exp", "2", "--smoke", "--nproc", "2", "--data-path", "d", "--not-a-record",
+                              "--description=a b", "--", "--nproc", "9"]) == (
+        ["--nproc", "2", "--not-a-record", "--description=a b", "exp", "2"], ["--smoke", "--data-path", "d",
+                                                                            "--nproc", "9"])
+    for argv, msg in ((["--bogus", "exp", "3"], "NAME and N come before"), (["exp", "3", "--nproc"], "needs a value")):
+        with pytest.raises(rc.UsageError, match=msg):
+            rc.split_run_argv(argv)
+
+
+def test_run_options_are_not_trainer_flags():
+    """split_run_argv takes the tool's options out of the trainer's arguments: no trainer flag may share a name."""
+    src = (REPO / "train_gpt.py").read_text()
+    body = src[src.index("class Hyperparameters"):src.index("def num_iterations")]
+    trainer = {"--" + m.replace("_", "-") for m in re.findall(r"^    (\w+): ", body, flags=8)}
+    assert {"--data-path", "--smoke", "--device", "--log-dir", "--seed"} <= trainer
+    ours = {flag for flag, _ in rc.RUN_OPTS + rc.RECORD_OPTS}
+    assert not ours & trainer
 
 
 FAKE_LAUNCHER = textwrap.dedent('''\
@@ -396,15 +417,15 @@ def test_run_with_fake_launcher(tmp_path, capsys):
     work.mkdir()
     fake = tmp_path / "fake_launcher.py"
     fake.write_text(FAKE_LAUNCHER)
-    (tmp_path / "template.txt").write_text(make_log(3.2770))
+    (tmp_path / "template.txt").write_text(make_log(3.2770, total=2160, val_every=250))
     recs = tmp_path / "records"
-    code = rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "1", "--workdir", str(work),
+    code = rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "8", "--workdir", str(work),
                     "--records-dir", str(recs), "--date", "2026-01-01", "--description", "fake runs",
-                    "myexp", "3", "--data-path", "data/proxy", "--smoke"])
+                    "myexp", "3", "--seed", "7", "--val-loss-every", "250"])
     out = capsys.readouterr().out
     assert code == 0
-    calls = [__import__("json").loads(x) for x in (work / "calls.jsonl").read_text().splitlines()]
-    assert calls == [["--nproc_per_node=1", "train_gpt.py", "--data-path", "data/proxy", "--smoke"]] * 3
+    calls = [json.loads(x) for x in (work / "calls.jsonl").read_text().splitlines()]
+    assert calls == [["--nproc_per_node=8", "train_gpt.py", "--seed", "7", "--val-loss-every", "250"]] * 3
     folder = recs / "2026-01-01_myexp"
     logs = sorted(folder.glob("*.txt"))
     assert len(logs) == 3
@@ -412,15 +433,16 @@ def test_run_with_fake_launcher(tmp_path, capsys):
     assert losses == [3.2760, 3.2761, 3.2762]
     assert "=== run 3/3 ===" in out
     readme = (folder / "README.md").read_text()
-    assert "./run.sh record myexp 3 --data-path data/proxy --smoke" in readme
+    assert (f"./run.sh record myexp 3 --nproc 8 --launcher '{sys.executable} {fake}' -- --seed 7 "
+            "--val-loss-every 250") in readme
     assert "| 2026-01-01 |" in (recs / "README.md").read_text()
     # existing folder -> refused before launching anything
-    with pytest.raises(SystemExit, match="already exists"):
-        rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "1", "--workdir", str(work),
-                 "--records-dir", str(recs), "--date", "2026-01-01", "myexp", "1"])
+    code = rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "8", "--workdir", str(work),
+                    "--records-dir", str(recs), "--date", "2026-01-01", "myexp", "1"])
+    assert code == 2 and "already exists" in capsys.readouterr().err
     assert len((work / "calls.jsonl").read_text().splitlines()) == 3
     # a failing launcher stops the series and records nothing
-    code = rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "1", "--workdir", str(work),
+    code = rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "8", "--workdir", str(work),
                     "--records-dir", str(recs), "--date", "2026-01-01", "failing", "2", "--fail"])
     err = capsys.readouterr().err
     assert code == 1 and "run 1/2 failed" in err and "status 3" in err
@@ -470,8 +492,10 @@ def test_trainer_header_variants():
     assert r.triton == "not installed" and r.torch == "2.9.1+cu128" and r.cuda == "12.8"
     r = rc.parse_text(make_log(config='world_size=2 device=cpu gpu_name="cpu"'), "cpu.txt")
     assert r.gpu_name is None and r.hardware == "CPU (2 procs)"
-    assert rc._log_dir_from(["--smoke", "--log-dir", "/tmp/x"]) == "/tmp/x"
-    assert rc._log_dir_from(["--log_dir=out"]) == "out" and rc._log_dir_from(["--smoke"]) is None
+    assert rc.trainer_arg(["--smoke", "--log-dir", "/tmp/x"], "--log-dir") == "/tmp/x"
+    assert rc.trainer_arg(["--log-dir=out"], "--log-dir") == "out" and rc.trainer_arg(["--smoke"], "--log-dir") is None
+    assert rc.trainer_arg(["--smoke", "--seed", "1"], "--smoke") == "" and rc.is_smoke(["--smoke", "--seed", "1"])
+    assert not rc.is_smoke(["--smoke=0"]) and not rc.is_smoke([])
 
 
 def test_diff_py_against_cpu_log(tmp_path, capsys):
@@ -490,3 +514,190 @@ def test_real_cpu_smoke_log():
     assert r.torch == "2.13.0+cpu" and r.triton == "3.9.0" and r.warmup_s == 14.8
     assert r.script.lstrip().startswith(("#", '"""', "import", "from")) and "def main" in r.script
     assert len(r.train) == 33 and [v[0] for v in r.val] == [0, 10, 20, 30, 33]
+
+
+# ---------------------------------------------------------------------------------------------- user reports
+
+REAL_CPU = FIX / "local" / "real_cpu_smoke_2proc.txt"
+
+
+def _fake_setup(tmp_path, template_text):
+    work = tmp_path / "work"
+    work.mkdir()
+    fake = tmp_path / "fake_launcher.py"
+    fake.write_text(FAKE_LAUNCHER)
+    (tmp_path / "template.txt").write_text(template_text)
+    return work, ["--launcher", f"{sys.executable} {fake}", "--workdir", str(work), "--records-dir",
+                  str(tmp_path / "records"), "--date", "2026-01-01"]
+
+
+def _calls(work):
+    f = work / "calls.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+
+
+def test_run_readme_form_on_a_cpu_machine(tmp_path, capsys, monkeypatch):
+    """`./run.sh record NAME 2 --smoke --data-path data/proxy --device cpu` with no GPU: 2 processes, not an error;
+    the tool's own options are taken after NAME N too, and the Reproduce line holds the whole command."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("SPEEDRUN_NPROC", raising=False)
+    work, opts = _fake_setup(tmp_path, REAL_CPU.read_text())
+    code = rc.main(["run", "smoke", "2", "--smoke", "--data-path", "data/my proxy", "--device", "cpu",
+                    "--not-a-record", *opts])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert _calls(work) == [["--nproc_per_node=2", "train_gpt.py", "--smoke", "--data-path", "data/my proxy",
+                             "--device", "cpu"]] * 2
+    readme = (tmp_path / "records" / "2026-01-01_smoke" / "README.md").read_text()
+    repro = readme.split("## Reproduce")[1].split("```")[1].strip()
+    assert repro == ("./run.sh record smoke 2 --nproc 2 --launcher " + shlex.quote(opts[1])
+                     + " --not-a-record -- --smoke --data-path 'data/my proxy' --device cpu")
+    # the Reproduce line, parsed back, launches the same command
+    ours, train = rc.split_run_argv(shlex.split(repro)[2:])
+    assert train == ["--smoke", "--data-path", "data/my proxy", "--device", "cpu"]
+    assert ours[ours.index("--nproc") + 1] == "2" and ours[-2:] == ["smoke", "2"]
+    # --nproc after NAME N is ours (not passed to the trainer)
+    code = rc.main(["run", "smoke3", "1", "--device", "cpu", "--nproc", "1", "--smoke", "--not-a-record", *opts])
+    assert code == 0 and _calls(work)[-1] == ["--nproc_per_node=1", "train_gpt.py", "--device", "cpu", "--smoke"]
+
+
+def test_run_without_gpu_says_where_nproc_goes(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("SPEEDRUN_NPROC", raising=False)
+    work, opts = _fake_setup(tmp_path, make_log())
+    code = rc.main(["run", "exp", "1", "--data-path", "data/fineweb10B", *opts])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "no GPU visible" in err and "--nproc K after NAME N" in err and "before `--`" in err
+    assert _calls(work) == []
+
+
+def test_run_refuses_non_record_before_launching(tmp_path, capsys):
+    work, opts = _fake_setup(tmp_path, make_log())
+    for argv, why in ((["--nproc", "2"], "2 GPUs"), (["--nproc", "8", "--smoke"], "smoke preset"),
+                      (["--nproc", "8", "--data-path", "data/proxy"], "not FineWeb (data/proxy)"),
+                      (["--nproc", "8", "--device", "cpu"], "CPU")):
+        code = rc.main(["run", "exp", "1", *argv, *opts])
+        err = capsys.readouterr().err
+        assert code == 2 and why in err and "--not-a-record" in err and len(err.splitlines()) == 1
+    assert _calls(work) == [] and not (tmp_path / "records").exists()
+    # the logs can still show a non-record (here: 40 steps); nothing is filed and the logs are named
+    code = rc.main(["run", "exp", "1", "--nproc", "8", *opts])
+    err = capsys.readouterr().err
+    assert code == 2 and "not a record (40 steps)" in err and ".txt" in err and len(_calls(work)) == 1
+    assert not (tmp_path / "records" / "2026-01-01_exp").exists()
+
+
+def test_record_problems_from_logs():
+    assert rc.run_problems([rc.parse_log(RUN1), rc.parse_log(RUN2)]) == []  # upstream: 2160 steps, 8-GPU table
+    assert rc.run_problems([rc.parse_log(REAL_CPU)]) == ["smoke preset", "CPU", "33 steps", "not FineWeb (data/proxy)"]
+    one = make_log(total=2160, val_every=500, config='world_size=1 device=cuda data_path=data/proxy train_epochs=2')
+    assert rc.run_problems([rc.parse_text(one, "a.txt")]) == ["1 GPU", "not FineWeb (data/proxy)",
+                                                              "2 epochs over the data"]
+    full = make_log(total=2160, val_every=500, config="world_size=8 device=cuda data_path=data/fineweb10B")
+    assert rc.run_problems([rc.parse_text(full, "b.txt")]) == []
+    bare = make_log(total=2160, val_every=500, config="x=1")  # no world size, no nvidia-smi table
+    assert rc.run_problems([rc.parse_text(bare, "c.txt")]) == ["GPU count unknown"]
+    # the moved proxy runs would be refused as records
+    for log in (REPO / "bench" / "results" / "proxy_runs").glob("*/*.txt"):
+        problems = rc.run_problems([rc.parse_log(log)])
+        assert "96 steps" in problems and "not FineWeb (data/proxy)" in problems
+
+
+def test_new_refuses_smoke_run_or_labels_it(tmp_path, capsys):
+    recs = tmp_path / "records"
+    recs.mkdir()
+    (recs / "README.md").write_text(f"# Records\n\n{rc.TABLE_HEADER}\n{rc.TABLE_RULE}\n")
+    before = (recs / "README.md").read_text()
+    code, _, err = cli(capsys, "new", "smoke", REAL_CPU, "--records-dir", recs, "--date", "2026-01-02")
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "not a record (smoke preset, CPU, 33 steps, not FineWeb (data/proxy))" in err and "--not-a-record" in err
+    assert (recs / "README.md").read_text() == before and sorted(os.listdir(recs)) == ["README.md"]
+    code, out, err = cli(capsys, "new", "smoke", REAL_CPU, "--records-dir", recs, "--date", "2026-01-02",
+                         "--not-a-record", "--description", "CPU check")
+    assert code == 0, err
+    row = (recs / "README.md").read_text().splitlines()[-1]
+    assert row.startswith("| 2026-01-02 | 116.281 s | 6.3731 | 1 | CPU (2 procs) | "
+                          "(not a record: smoke preset, CPU, 33 steps, not FineWeb (data/proxy)) CPU check |")
+    readme = (recs / "2026-01-02_smoke" / "README.md").read_text()
+    assert "**Not a record**: smoke preset, CPU, 33 steps" in readme
+    assert "record check: not a record (smoke preset, CPU, 33 steps" in readme
+
+
+def test_new_leaves_nothing_half_written(tmp_path, capsys, monkeypatch):
+    recs = tmp_path / "records"
+    code, _, _ = cli(capsys, "new", "rec", RUN1, "--records-dir", recs, "--date", "2026-01-03")
+    assert code == 0
+    folder = recs / "2026-01-03_rec"
+    snapshot = {p.name: p.read_bytes() for p in folder.iterdir()}
+    readme = (recs / "README.md").read_text()
+
+    def broken(*a, **k):
+        raise RuntimeError("plot failed")
+    monkeypatch.setattr(rc, "make_plot", broken)
+    for argv in (["other", RUN1], ["rec", RUN1, RUN2, "--force"]):
+        with pytest.raises(RuntimeError):
+            rc.main(["new", *map(str, argv), "--records-dir", str(recs), "--date", "2026-01-03"])
+        assert sorted(os.listdir(recs)) == ["2026-01-03_rec", "README.md"]  # no temp folders, no new record
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == snapshot
+        assert (recs / "README.md").read_text() == readme
+    # a failure while writing the row restores the replaced folder too
+    monkeypatch.undo()
+    monkeypatch.setattr(rc, "append_record_row", broken)
+    with pytest.raises(RuntimeError):
+        rc.main(["new", "rec", str(RUN2), "--force", "--records-dir", str(recs), "--date", "2026-01-03"])
+    assert sorted(os.listdir(recs)) == ["2026-01-03_rec", "README.md"]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == snapshot
+
+
+def test_plot_needs_output_and_never_writes_to_cwd(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "plot", RUN1)
+    assert code == 2 and "-o/--output" in err and len(err.splitlines()) == 1
+    assert os.listdir(tmp_path) == []
+    res = subprocess.run([sys.executable, str(REPO / "records" / "compare.py"), "plot", "-h"],
+                         capture_output=True, text=True, timeout=60)
+    assert "required" in res.stdout
+
+
+def test_plot_final_stretch_separates_one_second(tmp_path):
+    # two sets whose runs differ by 1.0 s in training time (131.2 vs 132.2 s) and 0.002 in loss
+    a = rc.load_set([str(p) for p in write_set(tmp_path / "a", [3.2770, 3.2772], [131.2, 131.2])])
+    b = rc.load_set([str(p) for p in write_set(tmp_path / "b", [3.2790, 3.2792], [132.2, 132.2])])
+    fig = rc.plot_figure([a, b])
+    zoom = [ax for ax in fig.axes if "final stretch" in ax.get_title()]
+    assert len(zoom) == 1
+    ax = zoom[0]
+    assert ax.get_xlabel() == "training time (s)"
+    x0, x1 = ax.get_xlim()
+    y0, y1 = ax.get_ylim()
+    assert 0.8 * 131.2 <= x0 < 131.2 and 132.2 < x1 <= 1.05 * 132.2  # the last ~15% of the time only
+    assert (132.2 - 131.2) / (x1 - x0) > 0.04  # 1 s is more than 4% of the panel's width
+    assert y0 <= 3.2770 and 3.2792 <= y1 < 3.6  # the early losses (up to 8.3) are off the panel
+    main = [ax for ax in fig.axes if ax.get_title() == "validation loss vs training time"][0]
+    assert main.get_xlim()[0] < 10  # the main panel spans the whole run
+    out = rc.make_plot([a, b], tmp_path / "z.png")
+    _assert_png(out)
+
+
+def test_diff_folder_with_several_logs_asks_for_a_file(tmp_path, capsys):
+    d = tmp_path / "rec"
+    write_set(d, [3.2770, 3.2780])
+    code, out, err = cli(capsys, "diff", d, RUN1)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "holds 2 logs (run00.txt, run01.txt)" in err and "give the one to diff as a file" in err
+    code, _, err = cli(capsys, "diff", tmp_path, RUN1)  # no logs at all
+    assert code == 2 and "holds no *.txt log" in err
+
+
+def test_records_folder_holds_only_records():
+    """Every folder in records/ is a record: its logs meet the record conditions and it has a row in the table."""
+    readme = (REPO / "records" / "README.md").read_text()
+    lines = readme.splitlines()
+    h = lines.index(rc.TABLE_HEADER)
+    assert lines[h + 1] == rc.TABLE_RULE
+    assert "<!-- Rows are appended by" in readme
+    for folder in sorted(p for p in (REPO / "records").iterdir() if p.is_dir() and p.name != "__pycache__"):
+        runs, _ = rc.load_runs([str(folder)])
+        assert runs and rc.run_problems(runs) == [], folder.name
+        assert f"]({folder.name}/README.md)" in readme, folder.name
