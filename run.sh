@@ -112,6 +112,9 @@ launch() {  # launch [train_gpt.py args...]; needs GPUS from require_gpu
     # The device machines have no NVLink multicast: NCCL, symmetric memory and NVSHMEM must not try it.
     export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
         NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+    # Bad flags or data fail here, in one process, as one line with exit status 2; under torchrun every worker
+    # would meet them and torchrun would add its own failure report.
+    WORLD_SIZE=$n "$PY" train_gpt.py --check "$@"
     exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$n" train_gpt.py "$@"
 }
 

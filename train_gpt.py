@@ -1,18 +1,29 @@
 """speedrun: train a GPT-2 (124M-class) language model to 3.28 val loss on FineWeb, fast.
 
-One file, read top to bottom:
-    1. config       Hyperparameters (the SPEC's values as defaults) and the command line
-    2. kernels      Triton kernels, Polar Express / Turbo-Muon orthogonalizers, the FP8 lm_head op
-    3. optimizers   NorMuon (sharded, reduce-scatter -> update -> all-gather) and DistAdam
-    4. model        GPT with value embeddings, smear gate, sparse attention gates, YaRN rotary
-    5. data         shard reader, BOS-aligned batching, async shard preloading
-    6. schedules    batch size, learning rate, attention windows, Muon momentum
-    7. train loop   untimed kernel warm-up, timed training, validation, logging
-    8. main()
+One file, read top to bottom, one concept per section:
+    config          Hyperparameters (the December 2025 record's values as defaults) and the command line
+    lm_head         FP8 matmul, softcapped cross-entropy, its fused Triton backward, the LMHead module
+    attention       backends: FlashAttention-3 / -4, PyTorch's FlashAttention-2 varlen kernels, a reference
+    orthogonalizers Polar Express and Turbo-Muon with their symmetric Triton kernels
+    NorMuon         sharded (reduce-scatter -> update -> all-gather) Muon with row normalisation
+    DistAdam        ZeRO-1 Adam for embeddings, lm_head and scalars
+    model           GPT with value embeddings, smear gate, sparse attention gates, YaRN rotary
+    data            shard reader, BOS-aligned batching, async shard preloading
+    schedules       the stage table (batch size, windows), learning rate, Muon momentum
+    training loop   untimed kernel warm-up, timed training, validation, logging
+    diagnostics     recompile guard, profile summary, replica check
+    main()          settings -> runtime -> trainer -> run
 
 Launch:  torchrun --standalone --nproc_per_node=8 train_gpt.py   (1, 2, 4 or 8 GPUs; same global batch)
 CPU:     torchrun --standalone --nproc_per_node=2 train_gpt.py --smoke --data-path data/proxy
 Importing this module has no side effects: no CUDA, no process group, no file reads.
+
+Credits. The speedrun is Keller Jordan's modded-nanogpt, grown from Andrej Karpathy's nanoGPT and llm.c; this file
+re-implements its December 2025 record (NorMuon speed-ups and fixes, Wo pre-multiply) and its contributors' ideas,
+credited where they are used below. Muon: Keller Jordan. Polar Express: Noah Amsel, David Persson, Christopher
+Musco, Robert Gower; its symmetric Triton kernels: Byron Xu. Turbo-Muon: Thibaut Boissin et al., with AOL
+preconditioning from Bernd Prach and Christoph Lampert. NorMuon: Zichong Li et al. Cautious weight decay: Lizhang
+Chen et al. YaRN: Bowen Peng et al. FlashAttention: Tri Dao et al. FineWeb: Guilherme Penedo et al.
 """
 import os
 
@@ -23,6 +34,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import glob
 import math
@@ -31,7 +43,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -47,67 +59,86 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     triton = None
     tl = None
 
+def _kernels_usable(t: Tensor) -> bool:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests)."""
+    return triton is not None and (t.is_cuda or _TRITON_INTERPRET)
+
 
 # =====================================================================================
-# 1. Config
+# Config
 # =====================================================================================
+
+def setting(default, help: str, choices: tuple = None):
+    """A Hyperparameters field with its one-line --help text (and allowed values, where they are fixed)."""
+    return field(default=default, metadata=dict(help=help, choices=choices))
+
 
 @dataclass
 class Hyperparameters:
     # data (file patterns are relative to data_path)
-    data_path: str = "data/fineweb10B"
-    train_files: str = "fineweb_train_*.bin"
-    val_files: str = "fineweb_val_*.bin"
-    train_epochs: int = 1                 # >1 lets the loader cycle over a small (proxy) train set
-    val_tokens: int = 10_485_760          # the metric: the first 10*2^20 tokens of the val shard
-    val_batch_size: int = 4 * 64 * 1024 * 8
-    train_max_seq_len: int = 2048         # documents longer than this are truncated
+    data_path: str = setting("data/fineweb10B", "folder holding the token shards")
+    train_files: str = setting("fineweb_train_*.bin", "glob of the training shards inside --data-path")
+    val_files: str = setting("fineweb_val_*.bin", "glob of the validation shards inside --data-path")
+    train_epochs: int = setting(1, "passes over the training shards; >1 lets a small (proxy) set last the schedule")
+    val_tokens: int = setting(10_485_760, "validation tokens, the metric's 10*2^20 first tokens of the val shard")
+    val_batch_size: int = setting(4 * 64 * 1024 * 8, "global tokens per validation step")
+    train_max_seq_len: int = setting(2048, "longest training document, in tokens (longer ones are cut)")
     # schedule
-    num_scheduled_iterations: int = 2120
-    num_extension_iterations: int = 40
-    cooldown_frac: float = 0.55
-    train_bs_schedule: tuple = (8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8)
-    train_bs_extension: int = 24 * 2048 * 8
-    lr_plateaus: tuple = (1.0, 1.51, 1.93)  # ~ (bs / 131072) ** 0.6 for the three batch stages
-    lr_plateau_starts: tuple = (0.0, 0.33, 0.66)  # x = step / scheduled steps where each plateau begins
-    lr_floor: float = 0.1
-    ws_schedule: tuple = (3, 7, 11)       # long attention window per stage, in blocks of block_size
-    ws_final: int = 13                    # long window for the extension steps
-    ws_validate_post_yarn_ext: int = 20   # long window for the final validation (no YaRN update)
-    block_size: int = 128
-    muon_momentum_warmup: tuple = (0.85, 0.95, 300)    # start, end, steps
-    muon_momentum_cooldown: tuple = (0.95, 0.85, 50)   # start, end, steps before the end (the warm-up wins first)
-    warmup_steps_per_stage: int = 10      # untimed kernel warm-up steps per window stage
+    num_scheduled_iterations: int = setting(2120, "scheduled training steps (batch-size stages, lr cool-down)")
+    num_extension_iterations: int = setting(40, "extra steps after the schedule at the floor lr and the final window")
+    cooldown_frac: float = setting(0.55, "fraction of the scheduled steps over which the lr cools down to --lr-floor")
+    train_bs_schedule: tuple = setting((8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8),
+                                       "global tokens per step for each batch-size stage (equal thirds)")
+    train_bs_extension: int = setting(24 * 2048 * 8, "global tokens per step in the extension steps")
+    lr_plateaus: tuple = setting((1.0, 1.51, 1.93), "lr multiplier per stage, ~(batch/131072)^0.6")
+    lr_plateau_starts: tuple = setting((0.0, 0.33, 0.66), "fraction of the scheduled steps where each plateau starts")
+    lr_floor: float = setting(0.1, "lr multiplier at the end of the cool-down and in the extension")
+    ws_schedule: tuple = setting((3, 7, 11), "long attention window per stage, in blocks (short = long // 2)")
+    ws_final: int = setting(13, "long attention window of the extension steps, in blocks")
+    ws_validate_post_yarn_ext: int = setting(20, "long window of the final validation, in blocks (no YaRN update)")
+    block_size: int = setting(128, "tokens per attention-window block")
+    muon_momentum_warmup: tuple = setting((0.85, 0.95, 300), "NorMuon momentum ramp: START,END,STEPS from step 0")
+    muon_momentum_cooldown: tuple = setting((0.95, 0.85, 50), "NorMuon momentum ramp START,END over the last STEPS "
+                                                              "steps; the warm-up wins where they overlap")
+    warmup_steps_per_stage: int = setting(10, "untimed kernel warm-up steps per stage before the clock starts")
     # model
-    vocab_size: int = 50257
-    num_layers: int = 12
-    model_dim: int = 768
-    num_heads: int = 6
-    head_dim: int = 128
+    vocab_size: int = setting(50257, "GPT-2 vocabulary (padded to a multiple of 128 in the model)")
+    num_layers: int = setting(12, "transformer blocks (the layer map is defined for 12 only)")
+    model_dim: int = setting(768, "width of the residual stream")
+    num_heads: int = setting(6, "attention heads")
+    head_dim: int = setting(128, "width of each attention head")
     # optimizers
-    adam_lr: float = 0.008
-    adam_betas: tuple = (0.65, 0.95)
-    adam_eps: float = 1e-8
-    muon_lr: float = 0.023
-    muon_weight_decay: float = 1.2
-    muon_beta2: float = 0.95
-    orthogonalizer: str = "polar"         # polar | turbo
+    adam_lr: float = setting(0.008, "DistAdam lr (embeddings x75, scalars x5, lm_head x1)")
+    adam_betas: tuple = setting((0.65, 0.95), "DistAdam BETA1,BETA2")
+    adam_eps: float = setting(1e-8, "DistAdam epsilon")
+    muon_lr: float = setting(0.023, "NorMuon lr for the hidden matrices and gates")
+    muon_weight_decay: float = setting(1.2, "NorMuon cautious weight decay (scaled by the scheduled lr)")
+    muon_beta2: float = setting(0.95, "NorMuon second-moment decay")
+    orthogonalizer: str = setting("polar", "NorMuon orthogonalizer: Polar Express (5 steps) or Turbo-Muon "
+                                           "(AOL-preconditioned, 4 steps)", ("polar", "turbo"))
+    ortho_kernels: bool = setting(True, "orthogonalize with our symmetric Triton kernels on GPUs (off: torch matmuls)")
     # run
-    val_loss_every: int = 250             # 0: only at the end
-    save_checkpoint: bool = False
-    run_id: str = ""                      # default: a random UUID4
-    seed: int = -1                        # -1: no seeding, like the record (rank 0's init is broadcast)
-    device: str = "auto"                  # auto | cuda | cpu
-    attn_backend: str = "auto"            # auto | fa3 | fa4 | varlen | reference
-    compile: str = "auto"                 # auto (on for CUDA) | on | off
-    log_dir: str = "logs"
-    profile_step: int = -1                # >= 0: profile that training step, write <log_dir>/<run_id>_profile.txt
-    fail_on_recompile: bool = True        # a torch.compile inside the timed loop raises (the warm-up missed a graph)
-    dynamic_seq_len: bool = True          # compile the model once for all batch sizes (token dim symbolic), not per stage
-    fused_fp8_head: bool = True           # FP8 lm_head + softcapped CE with one fused Triton backward pass
-    fused_relu2: bool = False             # MLP ReLU² in Triton GEMM epilogues: off, measured 2 % slower than cuBLAS +
-                                          # Inductor on an H100 (bench/results/2026-11-22_h100x1_relu2_mm.json)
-    smoke: bool = False                   # tiny preset for CPUs and tests (see SMOKE_PRESET)
+    val_loss_every: int = setting(250, "validate every N steps; 0: only at the end")
+    save_checkpoint: bool = setting(False, "save model and optimizer states to <log-dir>/<run-id>/ at the end")
+    run_id: str = setting("", "name of the log file; empty: a random UUID4")
+    seed: int = setting(-1, "torch seed for the initialisation; -1: unseeded, like the record")
+    device: str = setting("auto", "where to train; auto: CUDA when visible, else refuse (use cpu with --smoke)",
+                          ("auto", "cuda", "cpu"))
+    attn_backend: str = setting("auto", "attention kernels; auto: fa3 (kernels hub), then fa4, then PyTorch's "
+                                        "FA2 varlen, then the reference (CPU)",
+                                ("auto", "fa3", "fa4", "varlen", "reference"))
+    compile: str = setting("auto", "torch.compile the model and optimizer helpers; auto: on for CUDA",
+                           ("auto", "on", "off"))
+    fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA", ("auto", "on", "off"))
+    fused_fp8_head: bool = setting(True, "FP8 lm_head + softcapped cross-entropy with one fused Triton backward")
+    ce_backward_tile: tuple = setting((32, 128, 4), "BLOCK_T,BLOCK_V,WARPS of the fused cross-entropy backward")
+    dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
+    log_dir: str = setting("logs", "folder for <run-id>.txt")
+    profile_step: int = setting(-1, "profile this training step into <log-dir>/<run-id>_profile.txt; -1: none")
+    fail_on_recompile: bool = setting(True, "stop if anything compiles inside the timed loop")
+    smoke: bool = setting(False, "tiny preset for CPUs and tests: 128-wide model, 30+3 steps (flags still win)")
+    check: bool = setting(False, "only validate the settings and the data for WORLD_SIZE processes, then exit "
+                                 "(./run.sh does this before starting torchrun)")
 
     @property
     def num_iterations(self) -> int:
@@ -125,48 +156,68 @@ SMOKE_PRESET = dict(
 )
 
 
-def _parse_value(kind, text):
-    if kind is bool:
-        low = text.lower()
-        if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-            raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
-        return low in ("1", "true", "yes", "on")
-    return kind(text)
+BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
-# The flags' argparse default is None (so that given flags can be told apart); this empty format field keeps
-# ArgumentDefaultsHelpFormatter from appending "(default: None)" after the real default.
-NO_ARGPARSE_DEFAULT = "%(default).0s"
+def value_parser(kind: type, tuple_of: bool = False):
+    """argparse `type` for one field: named after the kind so errors read 'expected int ...', not '<lambda>'."""
+    def parse_one(text: str):
+        if kind is bool:
+            if text.lower() not in BOOL_WORDS:
+                raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+            return BOOL_WORDS[text.lower()]
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'a number' if kind is float else 'an integer'}, "
+                                             f"got {text!r}") from None
+
+    def parse(text: str):
+        if not tuple_of:
+            return parse_one(text)
+        try:
+            return tuple(parse_one(x) for x in text.split(","))
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"expected comma-separated values ({e}) in {text!r}") from None
+    return parse
+
+
+class ConfigError(ValueError):
+    """Bad user input: reported as one line on rank 0, never a traceback."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line through main()'s error path instead of usage + message on every rank
+        raise ConfigError(f"{message} (see --help)")
 
 
 def parse_args(argv=None) -> Hyperparameters:
     """Every Hyperparameters field becomes --kebab-case; tuples take comma-separated values."""
-    defaults = Hyperparameters()
-    parser = argparse.ArgumentParser(
-        description="NanoGPT speedrun trainer. Defaults are the December 2025 record's settings.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        usage="torchrun --standalone --nproc_per_node=8 train_gpt.py [FLAGS]   (1, 2, 4 or 8 processes)",
+        description="NanoGPT speedrun trainer. The defaults are the December 2025 record's settings; lists take "
+                    "comma-separated values, booleans true/false (a bare boolean flag means true).")
     for f in dataclasses.fields(Hyperparameters):
-        value = getattr(defaults, f.name)
+        default, help, choices = f.default, f.metadata["help"], f.metadata["choices"]
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            parser.add_argument(flag, nargs="?", const=True, default=None,
-                                type=lambda s: _parse_value(bool, s), help=f"(default {value})" + NO_ARGPARSE_DEFAULT)
-        elif isinstance(value, tuple):
-            kind = type(value[0])
-            parser.add_argument(flag, default=None, metavar="A,B,...",
-                                help=f"(default {','.join(map(str, value))})" + NO_ARGPARSE_DEFAULT,
-                                type=lambda s, k=kind: tuple(_parse_value(k, x) for x in s.split(",")))
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else repr(default) if default == "" else default
+        help = f"{help} (default: {shown})"
+        if isinstance(default, bool):
+            parser.add_argument(flag, nargs="?", const=True, default=None, metavar="BOOL",
+                                type=value_parser(bool), help=help)
+        elif isinstance(default, tuple):
+            parser.add_argument(flag, default=None, metavar=",".join("ABCDE"[:len(default)]),
+                                type=value_parser(type(default[0]), tuple_of=True), help=help)
         else:
-            parser.add_argument(flag, type=type(value), default=None, help=f"(default {value!r})" + NO_ARGPARSE_DEFAULT)
+            kind = type(default)
+            metavar = None if choices else {int: "N", float: "X"}.get(kind, "TEXT")
+            parser.add_argument(flag, default=None, type=str if kind is str else value_parser(kind), choices=choices,
+                                metavar=metavar, help=help)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     args = Hyperparameters(**(SMOKE_PRESET if given.get("smoke") else {}))
     args = dataclasses.replace(args, **given)  # explicit flags win over the smoke preset
     validate_args(args)
     return args
-
-
-class ConfigError(ValueError):
-    """Bad user input: reported as one line on rank 0, never a traceback."""
 
 
 def validate_args(args: Hyperparameters):
@@ -207,10 +258,549 @@ def validate_args(args: Hyperparameters):
 
 
 # =====================================================================================
-# 2. Kernels
+# lm_head: FP8 matmul, softcapped cross-entropy, their fused Triton backward, the module
 # =====================================================================================
 
-# ---- Polar Express / Turbo-Muon orthogonalization (SPEC §6.2, §6.4) ----------------------------------------
+# --- FP8 lm_head matmul ---------------------------------------------------------------
+# Scales chosen so the e4m3/e5m2 casts never saturate: an RMS-normalised row has |x| <= sqrt(768),
+# so x / (sqrt(768)/448) fits e4m3's max of 448; lm_head weights stay far below 448 * 2^-9.
+FP8_X_SCALE = math.sqrt(768) / 448
+FP8_W_SCALE = 2.0 ** -9
+FP8_GRAD_SCALE = 1.0 / 448
+
+
+_SCALE_TENSORS = {}
+
+
+def _scale_tensor(value: float, like: Tensor) -> Tensor:
+    """The scale as a device scalar, made once per (value, device): torch.tensor(value, device="cuda") is a
+    blocking host-to-device copy, and six of them per micro-batch would stall the CPU until the GPU had drained
+    its queue, leaving the GPU idle while the next kernels are launched."""
+    key = (value, like.device)
+    if key not in _SCALE_TENSORS:
+        _SCALE_TENSORS[key] = torch.tensor(value, dtype=torch.float32, device=like.device)
+    return _SCALE_TENSORS[key]
+
+
+@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
+def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    """out = x @ w.T with both operands in e4m3; returns (out bf16, x_f8, w_f8) for the backward."""
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, scale_a=_scale_tensor(x_s, x),
+                           scale_b=_scale_tensor(w_s, x), use_fast_accum=True)
+    return out, x_f8, w_f8
+
+
+@fp8_mm.register_fake
+def _(x, w, x_s, w_s, grad_s):
+    return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
+            torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn))
+
+
+@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
+def fp8_mm_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float,
+                    grad_s: float) -> tuple[Tensor, Tensor]:
+    """dX and dW from operands already quantised (`*_t` are contiguous transposes): _scaled_mm wants a
+    row-major first operand and a column-major second one, so dW needs the (T, vocab) gradient transposed."""
+    return _fp8_grads(g_f8, transpose_bytes(g_f8), x_f8_t, w_f8_t, x_s, w_s, grad_s)
+
+
+def _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
+    grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16,
+                              scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(w_s, g_f8), use_fast_accum=False)
+    # dW computed as (768 x vocab) then transposed: faster for this shape (the record does the same).
+    grad_w = torch._scaled_mm(x_f8_t, g_f8_t.T, out_dtype=torch.float32,
+                              scale_a=_scale_tensor(x_s, g_f8), scale_b=_scale_tensor(grad_s, g_f8),
+                              use_fast_accum=False).T
+    return grad_x, grad_w
+
+
+@torch.library.custom_op("speedrun::fp8_mm_backward_pretransposed", mutates_args=())
+def fp8_mm_backward_pretransposed(g_f8: Tensor, g_f8_t: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float,
+                                  w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
+    """fp8_mm_backward for a caller that already has the (vocab, T) transpose of the gradient (the fused
+    softcap/cross-entropy backward writes both layouts in one pass)."""
+    return _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s)
+
+
+@fp8_mm_backward_pretransposed.register_fake
+def _(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
+    return _fp8_grads_fake(g_f8, x_f8_t, w_f8_t)
+
+
+@fp8_mm_backward.register_fake
+def _(g_f8, x_f8_t, w_f8_t, x_s, w_s, grad_s):
+    return _fp8_grads_fake(g_f8, x_f8_t, w_f8_t)
+
+
+def _fp8_grads_fake(g_f8, x_f8_t, w_f8_t):
+    # grad_w is the transpose of a contiguous (768, vocab) result: same strides as the real kernel's output.
+    return (g_f8.new_empty((g_f8.size(0), w_f8_t.size(0)), dtype=torch.bfloat16),
+            g_f8.new_empty((x_f8_t.size(0), g_f8.size(1)), dtype=torch.float32).T)
+
+
+def _fp8_mm_setup_context(ctx, inputs, output):
+    _, _, x_s, w_s, grad_s = inputs
+    _, x_f8, w_f8 = output
+    ctx.save_for_backward(x_f8, w_f8)
+    ctx.scales = (x_s, w_s, grad_s)
+    ctx.set_materialize_grads(False)
+
+
+def _fp8_mm_backward_rule(ctx, grad_out, *_):
+    x_f8, w_f8 = ctx.saved_tensors
+    x_s, w_s, grad_s = ctx.scales
+    # Quantise here, outside the opaque op: this rule is traced into the compiled backward graph, so Inductor
+    # fuses the e5m2 cast into the kernel that produces grad_out (the softcap/cross-entropy backward). Done
+    # eagerly inside the op, the passes over the (T, 50304) gradient would cost about a fifth of a stage-3 step.
+    # The gradient's transpose stays inside the op (transpose_bytes), on 1-byte data.
+    # (.float(): one rounding, fp32 -> e5m2, the same in eager and compiled mode; free once fused)
+    g_f8 = quantize_e5m2(grad_out, grad_s)
+    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(g_f8, x_f8.t().contiguous(), w_f8.t().contiguous(),
+                                                        x_s, w_s, grad_s)
+    return grad_x, grad_w, None, None, None
+
+
+fp8_mm.register_autograd(_fp8_mm_backward_rule, setup_context=_fp8_mm_setup_context)
+
+
+def lm_head_fp8(x: Tensor, w: Tensor) -> Tensor:
+    return torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[0]
+
+
+def quantize_e5m2(g: Tensor, grad_s: float) -> Tensor:
+    """The FP8 backward's gradient operand: e5m2(g / grad_s), one rounding from fp32."""
+    return (g.float() / grad_s).to(torch.float8_e5m2)
+
+
+# --- softcapped cross-entropy, z = 30·sigmoid(logits/7.5): the math both training heads share ---------------------
+# The softcap bounds every logit to (0, 30), so the log-sum-exp needs no max subtraction (50304·e^30 ≈ 5e17, far
+# below fp32's 3e38): one pass over the (T, 50304) logits. The softcapped logits are never stored: the target's
+# term is gathered from the raw logits and the backward recomputes the softcap (the one-hot as a comparison).
+
+def softcap_ce_forward(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum over tokens of CE(30·sigmoid(logits/7.5), targets), per-token log-sum-exp), both fp32."""
+    lse = torch.exp(30 * torch.sigmoid(logits.float() / 7.5)).sum(dim=-1).log()
+    z_target = 30 * torch.sigmoid(logits.gather(1, targets[:, None]).squeeze(1).float() / 7.5)
+    return (lse - z_target).sum(), lse
+
+
+def softcap_ce_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor) -> Tensor:
+    """grad · d(softcap_ce_forward's sum)/d logits in fp32: grad·(softmax(z) - onehot)·4·s(1-s), s = sigmoid."""
+    s = torch.sigmoid(logits.float() / 7.5)
+    probs = torch.exp(30 * s - lse[:, None])
+    is_target = torch.arange(logits.size(1), device=logits.device)[None, :] == targets[:, None]
+    return grad * (probs - is_target.float()) * 4 * s * (1 - s)
+
+
+# --- fused backward of softcap + cross-entropy + FP8 gradient quantisation --------------------------------------
+
+@torch.library.custom_op("speedrun::softcap_ce_backward", mutates_args=())
+def softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor, grad_s: float,
+                        tile: list[int]) -> tuple[Tensor, Tensor]:
+    """e5m2(bf16(grad·d/dlogits sum CE(30·sigmoid(logits/7.5))) / grad_s) as (T, V) and as its (V, T) transpose.
+    logits (T, V) bf16, lse (T,) fp32 log-sum-exp of the softcapped logits, targets (T,) int64, grad 0-D;
+    tile (BLOCK_T, BLOCK_V, num_warps) of the Triton kernel."""
+    T, V = logits.shape
+    if not _kernels_usable(logits):
+        return softcap_ce_backward_reference(logits, lse, targets, grad, grad_s)
+    g = torch.empty((T, V), dtype=torch.uint8, device=logits.device)
+    g_t = torch.empty((V, T), dtype=torch.uint8, device=logits.device)
+    launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s, round_bf16=True, fp8=True, tile=tile)
+    return g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
+
+
+def softcap_ce_backward_reference(logits, lse, targets, grad, grad_s: float) -> tuple[Tensor, Tensor]:
+    """The same in PyTorch ops (CPU path; what the unfused head computes): bf16 gradient, /grad_s, e5m2."""
+    g_f8 = quantize_e5m2(softcap_ce_grad(logits, lse, targets, grad).to(torch.bfloat16), grad_s)
+    return g_f8, g_f8.t().contiguous()
+
+
+@softcap_ce_backward.register_fake
+def _(logits, lse, targets, grad, grad_s, tile):
+    T, V = logits.shape
+    return (logits.new_empty((T, V), dtype=torch.float8_e5m2), logits.new_empty((V, T), dtype=torch.float8_e5m2))
+
+
+def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool,
+                               tile=None):
+    """Run _softcap_ce_backward_kernel; out (T, V) and out_t (V, T) are uint8 (fp8=True) or float32 buffers.
+    tile: (BLOCK_T, BLOCK_V, num_warps), --ce-backward-tile; bench/ce_kernel_bench.py times the candidates (32x128
+    with 4 warps is the default: larger tiles spill registers)."""
+    T, V = logits.shape
+    block_t, block_v, warps = tile or Hyperparameters.ce_backward_tile
+    assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
+    _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
+        logits, lse, targets, grad, out, out_t, T, V, grad_s, BLOCK_T=block_t, BLOCK_V=block_v,
+        ROUND_BF16=round_bf16, FP8=fp8, num_warps=warps)
+
+
+class FP8LMHeadCrossEntropySum(torch.autograd.Function):
+    """Training head with the FP8 lm_head: sum over tokens of CE(30·sigmoid((x Wᵀ)/7.5), targets).
+
+    Forward: the FP8 matmul (custom op) and one pass over the logits for the log-sum-exp (traced, so Inductor
+    fuses it). Backward: one Triton pass over the logits writes the e5m2 gradient in both layouts the two FP8
+    GEMMs need, replacing the softcap/CE backward kernel, its bf16 gradient tensor, the cast and the separate
+    transpose of the unfused path (lm_head_fp8 + softcapped_cross_entropy_sum, which computes the same function)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, tile: tuple) -> Tensor:
+        logits, x_f8, w_f8 = torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
+        loss, lse = softcap_ce_forward(logits, targets)
+        ctx.save_for_backward(logits, targets, lse, x_f8, w_f8)
+        ctx.tile = list(tile)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, targets, lse, x_f8, w_f8 = ctx.saved_tensors
+        g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, ctx.tile)
+        grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward_pretransposed(
+            g_f8, g_f8_t, x_f8.t().contiguous(), w_f8.t().contiguous(), FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
+        return grad_x, grad_w, None, None
+
+
+def fp8_lm_head_cross_entropy_sum(x: Tensor, w: Tensor, targets: Tensor,
+                                  tile: tuple = Hyperparameters.ce_backward_tile) -> Tensor:
+    return FP8LMHeadCrossEntropySum.apply(x, w, targets, tuple(tile))
+
+
+def transpose_bytes(x: Tensor) -> Tensor:
+    """Contiguous transpose of a 2-D tensor of 1-byte elements (the FP8 gradient). Inductor, left to itself,
+    fuses this transpose into the cross-entropy backward kernel with scattered 1-byte stores; a tiled
+    kernel on the quantised gradient moves the same bytes at close to memory bandwidth."""
+    assert x.dim() == 2 and x.element_size() == 1 and x.is_contiguous()
+    if not _kernels_usable(x):
+        return x.t().contiguous()
+    M, N = x.shape
+    y = torch.empty((N, M), dtype=torch.uint8, device=x.device)
+    block = 128  # 128-byte rows: full memory transactions on both sides
+    _transpose_kernel[(triton.cdiv(M, block), triton.cdiv(N, block))](x.view(torch.uint8), y, M, N, BLOCK=block,
+                                                                      num_warps=8)
+    return y.view(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _transpose_kernel(X, Y, M, N, BLOCK: tl.constexpr):
+        # Y (N, M) = X (M, N)ᵀ, both contiguous: a BLOCK x BLOCK tile is read along X's rows and written along
+        # Y's rows, so loads and stores are both coalesced (Triton reshuffles the tile through shared memory).
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = (pid_m * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        cols = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tile = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask)
+        tl.store(Y + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+    @triton.jit
+    def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
+                                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                                    ROUND_BF16: tl.constexpr, FP8: tl.constexpr):
+        # Gradient of sum_t CE(30·sigmoid(logits_t/7.5), target_t) times grad, for one (BLOCK_T x BLOCK_V) tile:
+        #   g = grad·(softmax(z) - onehot)·dz/dlogit,  z = 30·s, s = sigmoid(logit/7.5), dz/dlogit = 4·s·(1-s)
+        # rounded to bf16 (the record's bf16 gradient), divided by grad_s and cast to e5m2, then stored twice: as
+        # (T, V) for dX and transposed as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous). One read of
+        # the logits and two 1-byte writes per element; both stores are coalesced (the transpose goes through
+        # shared memory). FP8=False stores the fp32 values instead (tests), ROUND_BF16=False skips the rounding.
+        row0 = tl.program_id(0) * BLOCK_T
+        col0 = tl.program_id(1) * BLOCK_V
+        r = tl.arange(0, BLOCK_T)   # in-tile offsets stay int32; only the tile bases are 64-bit
+        c = tl.arange(0, BLOCK_V)
+        rows = row0 + r
+        cols = col0 + c
+        rmask = rows < T
+        mask = rmask[:, None] & (cols[None, :] < V)
+        tile = row0.to(tl.int64) * V + col0             # (row0, col0) in the (T, V) layout
+        tile_t = col0.to(tl.int64) * T + row0           # (col0, row0) in the (V, T) layout
+        x = tl.load(logits + tile + (r[:, None] * V + c[None, :]), mask=mask, other=0.0).to(tl.float32)
+        row_lse = tl.load(lse + rows, mask=rmask, other=0.0)
+        row_target = tl.load(targets + rows, mask=rmask, other=-1)
+        scale = tl.load(grad).to(tl.float32)
+        s = tl.sigmoid(x / 7.5)
+        p = tl.exp(30.0 * s - row_lse[:, None])
+        onehot = (cols[None, :] == row_target[:, None]).to(tl.float32)
+        g = scale * (p - onehot) * 4.0 * s * (1.0 - s)
+        if ROUND_BF16:
+            g = g.to(tl.bfloat16).to(tl.float32)
+        g = g / grad_s
+        if FP8:
+            q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        else:
+            q = g
+        tl.store(out + tile + (r[:, None] * V + c[None, :]), q, mask=mask)
+        tl.store(out_t + tile_t + (c[:, None] * T + r[None, :]), tl.trans(q), mask=tl.trans(mask))
+
+
+class SoftcappedCrossEntropySum(torch.autograd.Function):
+    """sum over tokens of cross_entropy(30·sigmoid(logits/7.5)), in fp32: F.cross_entropy's function, cheaper
+    (softcap_ce_forward: no max pass, no stored softcapped logits). Its backward returns the gradient in the logits'
+    dtype. Dynamo traces both methods into the compiled graphs."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
+        loss, lse = softcap_ce_forward(logits, targets)
+        ctx.save_for_backward(logits, targets, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        return softcap_ce_grad(logits, lse, targets, grad).to(logits.dtype), None
+
+
+def softcapped_cross_entropy_sum(logits: Tensor, targets: Tensor) -> Tensor:
+    return SoftcappedCrossEntropySum.apply(logits, targets)
+
+
+class LMHead(nn.Module):
+    """Logits, softcap 30·sigmoid(logits/7.5) and cross-entropy: summed over tokens in training (the loop divides
+    by the accumulation steps), the mean in eval. Training uses the FP8 matmul when `fp8`; with `fused` its
+    backward is the one Triton pass (FP8LMHeadCrossEntropySum), else the same function in separate ops."""
+
+    def __init__(self, dim: int, vocab_size: int, fp8: bool = False, fused: bool = True,
+                 ce_backward_tile: tuple = Hyperparameters.ce_backward_tile):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.bfloat16))  # zero init: loss ln(V)
+        self.fp8, self.fused, self.ce_backward_tile = fp8, fused, tuple(ce_backward_tile)
+
+    def forward(self, x: Tensor, targets: Tensor) -> Tensor:
+        if self.training and self.fp8:
+            if self.fused:
+                return fp8_lm_head_cross_entropy_sum(x, self.weight, targets, self.ce_backward_tile)
+            return softcapped_cross_entropy_sum(lm_head_fp8(x, self.weight), targets)
+        logits = F.linear(x, self.weight)
+        if self.training:
+            return softcapped_cross_entropy_sum(logits, targets)
+        logits = 30 * torch.sigmoid(logits / 7.5)
+        return F.cross_entropy(logits.float(), targets, reduction="mean")
+
+
+# =====================================================================================
+# Attention backends
+# =====================================================================================
+
+# FlashAttention (Tri Dao et al.) over packed documents: q, k, v are (T, heads, head_dim), cu_seqlens marks the
+# document starts, and each query sees at most `window` earlier tokens of its own document.
+#
+# Every backend has the signature attn_fn(q, k, v, cu_seqlens, max_seqlen, params, which): `params` holds the
+# softmax scale and the windows of the step, `which` picks the short (0) or long (1) window. For the varlen and
+# reference backends params is a CPU float64 tensor [[scale, short_window], [scale, long_window]] (tokens): the
+# compiled graphs see it as data, so one graph serves every window stage and every YaRN scale (with Python
+# numbers each (window, scale) pair would be a new graph: 4 train + 5 eval compilations instead of 1 + 1).
+# The FA3 (kernels hub) backend takes Python numbers, a tuple of tuples, and so compiles one graph per pair.
+
+def attention_scalars(params, which: int) -> tuple:
+    """(scale, window) as Python numbers from either form of `params`."""
+    row = params[which]
+    scale, window = (row.tolist() if isinstance(row, Tensor) else row)
+    return float(scale), int(window)
+
+
+def attention_reference(q, k, v, cu_seqlens, max_seqlen, params, which):
+    """Plain PyTorch: per document, causal, each query sees itself and at most `window` earlier tokens."""
+    scale, window = attention_scalars(params, which)
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end <= start:
+            continue  # zero-length padding entries
+        n = end - start
+        qd, kd, vd = (t[start:end].transpose(0, 1).float() for t in (q, k, v))
+        scores = (qd @ kd.transpose(-1, -2)) * scale
+        i = torch.arange(n, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
+        scores = scores.masked_fill((j > i) | (i - j > window), float("-inf"))
+        out[start:end] = (scores.softmax(dim=-1) @ vd).transpose(0, 1).to(q.dtype)
+    return out
+
+
+# PyTorch's FlashAttention-2 varlen kernels (the ones behind torch.nn.attention.varlen.varlen_attn) behind our own
+# custom op, so that the window and the scale are read from a CPU tensor when the op runs instead of being baked
+# into the graph. Window (w, 0) = causal, at most w earlier tokens of the same document.
+@torch.library.custom_op("speedrun::flash_varlen", mutates_args=())
+def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
+                 which: int) -> tuple[Tensor, Tensor, Tensor]:
+    scale, window = attention_scalars(params, which)
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False,
+        scale=scale, window_size_left=window, window_size_right=0)
+    rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)  # dropout is 0: the backward ignores it
+    return out, lse, rng_state
+
+
+@flash_varlen.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, params, which):
+    return (torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32),
+            q.new_empty((2,), dtype=torch.uint64))
+
+
+@torch.library.custom_op("speedrun::flash_varlen_backward", mutates_args=())
+def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          rng_state: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
+                          which: int) -> tuple[Tensor, Tensor, Tensor]:
+    scale, window = attention_scalars(params, which)
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, rng_state, unused,
+        scale=scale, window_size_left=window, window_size_right=0)
+    return dq, dk, dv
+
+
+@flash_varlen_backward.register_fake
+def _(grad_out, q, k, v, out, lse, rng_state, cu_seqlens, max_seqlen, params, which):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def register_attention_autograd(forward_op, backward_op):
+    """Autograd of a varlen attention op (q, k, v, cu_seqlens, max_seqlen, params, which) -> (out, lse, *state):
+    saves the inputs and every output, and calls backward_op(grad_out, q, k, v, out, lse, *state, cu_seqlens,
+    max_seqlen, params, which) -> (dq, dk, dv)."""
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens, max_seqlen, params, which = inputs
+        ctx.save_for_backward(q, k, v, cu_seqlens, params, *output)
+        ctx.max_seqlen, ctx.which = max_seqlen, which
+
+    def backward(ctx, grad_out, *_):
+        q, k, v, cu_seqlens, params, *outputs = ctx.saved_tensors
+        dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, *outputs, cu_seqlens, ctx.max_seqlen, params,
+                                 ctx.which)
+        return dq, dk, dv, None, None, None, None
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+
+
+register_attention_autograd(flash_varlen, torch.ops.speedrun.flash_varlen_backward)
+
+
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, params, which):
+    return torch.ops.speedrun.flash_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
+
+
+@functools.cache
+def fa3_interface():
+    """FlashAttention-3's Hopper kernels from the `kernels` hub (the record's attention; needs network once)."""
+    from kernels import get_kernel
+    return get_kernel("varunneal/flash-attention-3").flash_attn_interface
+
+
+def attention_fa3(q, k, v, cu_seqlens, max_seqlen, params, which):
+    scale, window = attention_scalars(params, which)
+    return fa3_interface().flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, causal=True,
+                                                  softmax_scale=scale, window_size=(window, 0))
+
+
+# FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels) behind the same
+# kind of custom op as the varlen backend: window and scale are runtime arguments of its kernels (only whether a
+# window exists is in its compile key), so one compiled kernel pair serves every stage. Imported on request.
+
+def fa4_interface():
+    """flash_attn.cute.interface (PyPI flash-attn-4), imported on first use (Python keeps the module)."""
+    # Keep FA4's JIT-compiled kernels on disk, as Inductor keeps its graphs: a restart loads them instead of
+    # compiling again. Read at its import; FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 opts out.
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    import flash_attn.cute.interface as fa4
+    return fa4
+
+
+@torch.library.custom_op("speedrun::fa4_varlen", mutates_args=())
+def fa4_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
+               which: int) -> tuple[Tensor, Tensor]:
+    scale, window = attention_scalars(params, which)
+    out, lse, *_ = fa4_interface()._flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0, return_lse=True)
+    return out, lse
+
+
+@fa4_varlen.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, params, which):
+    return torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32)
+
+
+@torch.library.custom_op("speedrun::fa4_varlen_backward", mutates_args=())
+def fa4_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        cu_seqlens: Tensor, max_seqlen: int, params: Tensor, which: int) -> tuple[Tensor, Tensor, Tensor]:
+    scale, window = attention_scalars(params, which)
+    dq, dk, dv = fa4_interface()._flash_attn_bwd(
+        q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
+        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+    return dq, dk, dv
+
+
+@fa4_varlen_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, params, which):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+register_attention_autograd(fa4_varlen, torch.ops.speedrun.fa4_varlen_backward)
+
+
+def attention_fa4(q, k, v, cu_seqlens, max_seqlen, params, which):
+    return torch.ops.speedrun.fa4_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
+
+
+ATTENTION_BACKENDS = {"fa3": attention_fa3, "fa4": attention_fa4, "varlen": attention_varlen,
+                      "reference": attention_reference}
+ATTENTION_STATIC_PARAMS = ("fa3",)  # backends that need Python numbers (one compiled graph per window pair)
+
+
+def varlen_available() -> bool:
+    """PyTorch's FlashAttention-2 varlen kernels with sliding windows (torch >= 2.10, CUDA build)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (the public API of the same kernels)
+        return hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.is_built()
+    except Exception:
+        return False
+
+
+def resolve_attention_backend(requested: str, device_type: str) -> str:
+    """auto: FA3 from the `kernels` hub when installed and reachable (the record's choice), then FlashAttention-4
+    from PyPI when installed on a Hopper or Blackwell GPU, then PyTorch's FA2 varlen kernels, then the reference.
+    An explicit request that cannot work is an error."""
+    if device_type != "cuda":
+        if requested not in ("auto", "reference"):
+            raise ConfigError(f"--attn-backend {requested} needs a CUDA GPU; use --attn-backend reference on the CPU")
+        return "reference"
+    if requested in ("auto", "fa3"):
+        try:
+            fa3_interface()
+            return "fa3"
+        except Exception as e:
+            if requested == "fa3":
+                raise ConfigError(f"--attn-backend fa3 unavailable ({type(e).__name__}: {e}); "
+                                  "pip install kernels (needs network) or use --attn-backend varlen") from None
+    if requested in ("auto", "fa4"):
+        try:
+            if torch.cuda.get_device_capability()[0] < 9:
+                raise RuntimeError("its kernels need compute capability 9.0 or newer (Hopper, Blackwell)")
+            fa4_interface()
+            return "fa4"
+        except Exception as e:
+            if requested == "fa4":
+                raise ConfigError(f"--attn-backend fa4 unavailable ({type(e).__name__}: {e}); "
+                                  "pip install flash-attn-4 (Hopper or Blackwell) or use --attn-backend varlen") from None
+    if requested in ("auto", "varlen"):
+        if varlen_available():
+            return "varlen"
+        if requested == "varlen":
+            raise ConfigError("--attn-backend varlen needs torch.nn.attention.varlen (torch >= 2.10, CUDA build); "
+                              f"this is torch {torch.__version__}")
+    return "reference"
+
+
+# =====================================================================================
+# Orthogonalizers: Polar Express and Turbo-Muon
+# =====================================================================================
+
+# Muon (Keller Jordan) orthogonalizes each update. Polar Express (Amsel, Persson, Musco and Gower) replaces
+# Newton-Schulz with per-iteration minimax-optimal coefficients; its symmetric Triton kernels come from Byron
+# Xu's speedrun contribution. Turbo-Muon (Thibaut Boissin and co-authors) preconditions with AOL row scaling
+# (Prach and Lampert), which makes the first iteration unnecessary.
 #
 # polar_express(G) maps each matrix of a batch G (..., rows, cols) to an approximation of its polar factor U Vᵀ
 # (G = U Σ Vᵀ) with a fixed odd-polynomial iteration.  On CUDA it runs in bf16 through Triton kernels that exploit
@@ -221,12 +811,10 @@ def validate_args(args: Hyperparameters):
 #                B = b·A + c·A·A     ns_line_2  ba_plus_cAA  (A symmetric, so A·A = A·Aᵀ: same scheme)
 #                X ← a·X + B·X       ns_line_3  ax_plus_bx   (accumulator starts at a·X; no baddbmm copy)
 #
-# Checked once on an H100 (torch 2.11, triton 3.6; before ns_line_1/2 were merged into one kernel): kernels match float64 to bf16 rounding (rel. 1.4e-3..2.0e-3)
-# on contiguous, transposed, 2-D, broadcast-B and ragged shapes; torch.compile(fullgraph=True) captures the kernel
-# launches (first compile 4-13 s per shape).  GPU time per call (CUDA graph), kernels vs torch matmuls, polar/turbo:
-# (8,768,768) 280/229 vs 305/247 us; (40,768,768) 1170/971 vs 1519/1244; (22,3072,768) 1889/1457 vs 2361/1845.
+# The kernels match float64 to bf16 rounding and are faster than torch matmuls on the trainer's stacks (tests/gpu
+# and bench/RESULTS.md hold the figures); torch.compile(fullgraph=True) captures their launches.
 # Tile configs are NOT autotuned (the record's 36-config autotune per shape cost minutes of cold start): a small
-# deterministic rule, kernel_config(), picks them from the shape and dtype; KERNEL_CONFIGS overrides it.
+# deterministic rule, kernel_config(), picks them from the shape and dtype; a `tiles` argument overrides it.
 
 POLAR_EXPRESS_COEFFS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -235,14 +823,13 @@ POLAR_EXPRESS_COEFFS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
-# Turbo-Muon drops the first tuple: AOL preconditioning does its job ([T155a]); 4 iterations in all.
+# Turbo-Muon drops the first tuple: AOL preconditioning does its job; 4 iterations in all.
 TURBO_MUON_COEFFS = POLAR_EXPRESS_COEFFS[1:]
 POLAR_NORM_SAFETY = 1.02     # X / (‖X‖_F·1.02 + 1e-6): spectral norm < 1 with a 2 % margin
 POLAR_NORM_EPS = 1e-6
-TURBO_AOL_SAFETY = 1.02      # s = rsqrt(rowsum|XXᵀ|·1.02 + 1e-6)   ([T155a] variant)
+TURBO_AOL_SAFETY = 1.02      # s = rsqrt(rowsum|XXᵀ|·1.02 + 1e-6), the 2 % margin kept
 TURBO_AOL_EPS = 1e-6
 
-ORTHO_USE_TRITON = True      # False: CUDA tensors use the torch-matmul loop too (debugging / A-B timing)
 KERNEL_MIN_DIM = 64          # matrices with fewer rows (wide orientation) use torch matmuls: the gates
                              # (6x12, 1x12) are pure launch latency, cuBLAS/inductor handle them as well
 _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -251,9 +838,8 @@ _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # num_stages) for kind in {"xxt", "ba_plus_cAA", "ax_plus_bx"}, where the operation is
 #   xxt:          (n, m, k) -> (n, m, m), reduction over k        ba_plus_cAA: (n, m, m) -> (n, m, m), k = m
 #   ax_plus_bx:   (n, m, m) x (n, m, k) -> (n, m, k), reduction over m
-# Overrides (e.g. from a benchmark): KERNEL_CONFIGS[(kind, m, k)] = {...} or KERNEL_CONFIGS[kind] = {...};
+# Overrides (tests, benchmarks): tiles={kind: {...}} or tiles={(kind, m, k): {...}} on xxt, ba_plus_cAA, ax_plus_bx;
 # missing keys fall back to the rule.  Symmetric kernels need BLOCK_M == BLOCK_N (the rule enforces it).
-KERNEL_CONFIGS = {}
 _SMEM_BUDGET = 160 * 1024    # H100/H200 have 227 KB per block; keep room for the epilogue's layout conversion
 
 
@@ -261,13 +847,13 @@ def _pow2_at_least(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
-    """Deterministic tile choice (no autotune), from a one-off sweep on an H100 (bf16, CUDA-graph timings of 7
-    candidate configs per kernel on the trainer's shapes (8|40, 768, 768) and (2|6|22, 768, 3072)):
-    - 128x128 output tiles, BLOCK_K 64, 8 warps were best or within ~5 % of best for all three kernels on every
-      shape; 64x64 tiles were 10-60 % slower even when 128-tiles left SMs idle (e.g. 2 x 21 tiles for xxt).
-    - stages: xxt / ba_plus_cAA 4 (3 was mixed: once 40 % slower), ax_plus_bx 3 (5-10 % faster than 4 on every
-      shape).  Shared memory: 4 x (128 + 128) x 64 x 2 B = 128 KB, under the 227 KB per block of Hopper.
+def kernel_config(kind: str, n: int, m: int, k: int, dtype, tiles: dict = None) -> dict:
+    """Deterministic tile choice (no autotune), from a sweep of candidate configs on the trainer's shapes
+    (8|40, 768, 768) and (2|6|22, 768, 3072) on Hopper:
+    - 128x128 output tiles, BLOCK_K 64, 8 warps were best or close to best for all three kernels on every shape;
+      64x64 tiles were slower even when 128-tiles left SMs idle.
+    - stages: xxt / ba_plus_cAA 4, ax_plus_bx 3.  Shared memory: 4 x (128 + 128) x 64 x 2 B = 128 KB, under the
+      227 KB per block of Hopper.
     - smaller matrices get 64 or the smallest tile tl.dot allows (16); stages shrink until the pipelined operand
       tiles fit _SMEM_BUDGET (fp32 operands are twice as large).  n is accepted for overrides/future rules."""
     elsize = torch.empty((), dtype=dtype).element_size()
@@ -288,8 +874,9 @@ def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
     while stages > 1 and stages * (bm + bn) * bk * elsize > _SMEM_BUDGET:
         stages -= 1
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    cfg.update(KERNEL_CONFIGS.get(kind, {}))
-    cfg.update(KERNEL_CONFIGS.get((kind, m, k), {}))
+    tiles = tiles or {}
+    cfg.update(tiles.get(kind, {}))
+    cfg.update(tiles.get((kind, m, k), {}))
     if sym:
         cfg["BLOCK_N"] = cfg["BLOCK_M"]
     return cfg
@@ -352,7 +939,8 @@ if triton is not None:
                            EVEN: tl.constexpr, IEEE: tl.constexpr):
         # C[b] = alpha·X[b] + B[b] X[b] with X (M, K), B (M, M) (s_bb == 0 broadcasts one B over the batch).
         # ns_line_3: the fp32 accumulator starts at alpha·X and B·X accumulates into it.  Every load is masked on
-        # its rows/cols AND its reduction index (the [T155b] fix) unless EVEN says all blocks are in bounds.
+        # its rows/cols AND its reduction index (an unmasked row once read out of bounds) unless EVEN says all
+        # blocks are in bounds.
         pid = tl.program_id(0)
         bid = tl.program_id(1).to(tl.int64)
         tn = tl.cdiv(K, BLOCK_N)
@@ -389,89 +977,33 @@ if triton is not None:
         tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_ck, acc.to(C.dtype.element_ty), mask=out_mask)
 
 
-    @triton.jit
-    def _transpose_kernel(X, Y, M, N, BLOCK: tl.constexpr):
-        # Y (N, M) = X (M, N)ᵀ, both contiguous: a BLOCK x BLOCK tile is read along X's rows and written along
-        # Y's rows, so loads and stores are both coalesced (Triton reshuffles the tile through shared memory).
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rows = (pid_m * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        cols = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        tile = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask)
-        tl.store(Y + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
-
-
-    @triton.jit
-    def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
-                                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-                                    ROUND_BF16: tl.constexpr, FP8: tl.constexpr):
-        # Gradient of sum_t CE(30·sigmoid(logits_t/7.5), target_t) times grad, for one (BLOCK_T x BLOCK_V) tile:
-        #   g = grad·(softmax(z) - onehot)·dz/dlogit,  z = 30·s, s = sigmoid(logit/7.5), dz/dlogit = 4·s·(1-s)
-        # rounded to bf16 (the SPEC's bf16 gradient), divided by grad_s and cast to e5m2, then stored twice: as
-        # (T, V) for dX and transposed as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous). One read of
-        # the logits and two 1-byte writes per element; both stores are coalesced (the transpose goes through
-        # shared memory). FP8=False stores the fp32 values instead (tests), ROUND_BF16=False skips the rounding.
-        row0 = tl.program_id(0) * BLOCK_T
-        col0 = tl.program_id(1) * BLOCK_V
-        r = tl.arange(0, BLOCK_T)   # in-tile offsets stay int32; only the tile bases are 64-bit
-        c = tl.arange(0, BLOCK_V)
-        rows = row0 + r
-        cols = col0 + c
-        rmask = rows < T
-        mask = rmask[:, None] & (cols[None, :] < V)
-        tile = row0.to(tl.int64) * V + col0             # (row0, col0) in the (T, V) layout
-        tile_t = col0.to(tl.int64) * T + row0           # (col0, row0) in the (V, T) layout
-        x = tl.load(logits + tile + (r[:, None] * V + c[None, :]), mask=mask, other=0.0).to(tl.float32)
-        row_lse = tl.load(lse + rows, mask=rmask, other=0.0)
-        row_target = tl.load(targets + rows, mask=rmask, other=-1)
-        scale = tl.load(grad).to(tl.float32)
-        s = tl.sigmoid(x / 7.5)
-        p = tl.exp(30.0 * s - row_lse[:, None])
-        onehot = (cols[None, :] == row_target[:, None]).to(tl.float32)
-        g = scale * (p - onehot) * 4.0 * s * (1.0 - s)
-        if ROUND_BF16:
-            g = g.to(tl.bfloat16).to(tl.float32)
-        g = g / grad_s
-        if FP8:
-            q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        else:
-            q = g
-        tl.store(out + tile + (r[:, None] * V + c[None, :]), q, mask=mask)
-        tl.store(out_t + tile_t + (c[:, None] * T + r[None, :]), tl.trans(q), mask=tl.trans(mask))
-
-
-def _kernels_usable(t: Tensor) -> bool:
-    """Triton kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests)."""
-    return triton is not None and (t.is_cuda or _TRITON_INTERPRET)
-
-
 def _as_batched(t: Tensor) -> Tensor:
     return t if t.dim() == 3 else t.unsqueeze(0)
 
 
-def xxt(X: Tensor, out: Tensor = None) -> Tensor:
+def xxt(X: Tensor, out: Tensor = None, tiles: dict = None) -> Tensor:
     """out = X Xᵀ for X (m, k) or (n, m, k) -> (m, m) / (n, m, m), in X's dtype (fp32 accumulation)."""
     if out is None:
         out = X.new_empty(*X.shape[:-1], X.size(-2))
     if not _kernels_usable(X):
         return torch.matmul(X, X.mT, out=out)
-    return _launch_sym_gram("xxt", X, out, 1.0, 0.0, add_x=False)
+    return _launch_sym_gram("xxt", X, out, 1.0, 0.0, add_x=False, tiles=tiles)
 
 
-def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None) -> Tensor:
+def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None, tiles: dict = None) -> Tensor:
     """out = b·A + c·A·A for symmetric A (m, m) or (n, m, m) (symmetry is assumed, not checked)."""
     if out is None:
         out = torch.empty_like(A)
     if not _kernels_usable(A):
         return torch.add(torch.mul(A, b), torch.matmul(A, A), alpha=c, out=out)
-    return _launch_sym_gram("ba_plus_cAA", A, out, float(c), float(b), add_x=True)
+    return _launch_sym_gram("ba_plus_cAA", A, out, float(c), float(b), add_x=True, tiles=tiles)
 
 
-def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: float, add_x: bool) -> Tensor:
+def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: float, add_x: bool,
+                     tiles: dict = None) -> Tensor:
     X3, C3 = _as_batched(X), _as_batched(out)
     n, m, k = X3.shape
-    cfg = kernel_config(kind, n, m, k, X.dtype)
+    cfg = kernel_config(kind, n, m, k, X.dtype, tiles)
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     t = triton.cdiv(m, bm)
     _sym_gram_kernel[(t * t, n)](
@@ -481,7 +1013,7 @@ def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: floa
     return out
 
 
-def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None) -> Tensor:
+def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None, tiles: dict = None) -> Tensor:
     """out = a·X + B X for X (m, k) / (n, m, k) and B (m, m) / (n or 1, m, m); out must not alias X."""
     if out is None:
         out = torch.empty_like(X)
@@ -492,7 +1024,7 @@ def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None) -> Tensor:
     X3, C3 = _as_batched(X), _as_batched(out)
     B3 = _as_batched(B)
     n, m, k = X3.shape
-    cfg = kernel_config("ax_plus_bx", n, m, k, X.dtype)
+    cfg = kernel_config("ax_plus_bx", n, m, k, X.dtype, tiles)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     s_bb = 0 if B3.size(0) == 1 else B3.stride(0)
     _ax_plus_bx_kernel[(triton.cdiv(m, bm) * triton.cdiv(k, bn), n)](
@@ -505,21 +1037,6 @@ def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None) -> Tensor:
 
 
 # ---- the iteration, parametrised by its three matrix operations ----
-
-def transpose_bytes(x: Tensor) -> Tensor:
-    """Contiguous transpose of a 2-D tensor of 1-byte elements (the FP8 gradient). Inductor, left to itself,
-    fuses this transpose into the cross-entropy backward kernel with scattered 1-byte stores; a tiled
-    kernel on the quantised gradient moves the same bytes at close to memory bandwidth."""
-    assert x.dim() == 2 and x.element_size() == 1 and x.is_contiguous()
-    if not _kernels_usable(x):
-        return x.t().contiguous()
-    M, N = x.shape
-    y = torch.empty((N, M), dtype=torch.uint8, device=x.device)
-    block = 128  # 128-byte rows: full memory transactions on both sides
-    _transpose_kernel[(triton.cdiv(M, block), triton.cdiv(N, block))](x.view(torch.uint8), y, M, N, BLOCK=block,
-                                                                      num_warps=8)
-    return y.view(x.dtype)
-
 
 def _torch_gram(X, out=None):
     return X @ X.mT
@@ -550,7 +1067,7 @@ def _polar_loop(G: Tensor, turbo: bool, dtype, ops, buffers: bool) -> Tensor:
     A = X.new_empty(*X.shape[:-1], m) if buffers else None
     B = torch.empty_like(A) if buffers else None
     if turbo:
-        # AOL preconditioning fused into iteration 1 (§6.4): one Gram of the raw X serves both the row scaling
+        # AOL preconditioning fused into iteration 1: one Gram of the raw X serves both the row scaling
         # s = rsqrt(rowsum|A|·1.02 + eps) (‖diag(s)X‖₂ <= 1 by Gershgorin) and A₁ = diag(s) A diag(s) = X₁X₁ᵀ.
         A = gram(X, A)
         s = torch.rsqrt(A.to(acc).abs().sum(dim=-1, keepdim=True) * TURBO_AOL_SAFETY + TURBO_AOL_EPS)
@@ -576,7 +1093,7 @@ def polar_express_reference(G: Tensor, turbo: bool = False, dtype=torch.float32)
     return _polar_loop(G, turbo, dtype, _TORCH_OPS, buffers=False)
 
 
-def polar_express(G: Tensor, turbo: bool = False) -> Tensor:
+def polar_express(G: Tensor, turbo: bool = False, kernels: bool = True) -> Tensor:
     """Approximate polar factor of every matrix in G (..., rows, cols); same shape as G.
     CUDA: bf16, Triton kernels when the matrices are large enough (else bf16 torch matmuls).  CPU: float32.
     Turbo-Muon (turbo=True): AOL row scaling instead of Frobenius normalisation, 4 iterations instead of 5.
@@ -587,352 +1104,16 @@ def polar_express(G: Tensor, turbo: bool = False) -> Tensor:
         # gates (6x12, 1x12): launch-bound, so fp32 costs nothing and avoids bf16 rounding of A and B (the torch
         # ops round each product to bf16, unlike the kernels' fp32 epilogues: ~8 % vs ~1 % deviation from fp32)
         return polar_express_reference(G, turbo, torch.float32).bfloat16()
-    use_kernels = ORTHO_USE_TRITON and _kernels_usable(G) and G.dim() in (2, 3)
+    use_kernels = kernels and _kernels_usable(G) and G.dim() in (2, 3)
     return _polar_loop(G, turbo, torch.bfloat16, _TRITON_OPS if use_kernels else _TORCH_OPS, buffers=use_kernels)
 
 
-# --- FP8 lm_head matmul ---------------------------------------------------------------
-# Scales chosen so the e4m3/e5m2 casts never saturate: an RMS-normalised row has |x| <= sqrt(768),
-# so x / (sqrt(768)/448) fits e4m3's max of 448; lm_head weights stay far below 448 * 2^-9.
-FP8_X_SCALE = math.sqrt(768) / 448
-FP8_W_SCALE = 2.0 ** -9
-FP8_GRAD_SCALE = 1.0 / 448
-
-
-_SCALE_TENSORS = {}
-
-
-def _scale_tensor(value: float, like: Tensor) -> Tensor:
-    """The scale as a device scalar, made once per (value, device): torch.tensor(value, device="cuda") is a
-    blocking host-to-device copy, and six of them per micro-batch (two in the forward, four in the backward)
-    stalled the CPU until the GPU had drained its queue, leaving the GPU idle while the next kernels were
-    launched (a stage-3 step on an H100 went from ~20 to ~10 ms of GPU idle time with this and pinned batches)."""
-    key = (value, like.device)
-    if key not in _SCALE_TENSORS:
-        _SCALE_TENSORS[key] = torch.tensor(value, dtype=torch.float32, device=like.device)
-    return _SCALE_TENSORS[key]
-
-
-@torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
-def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    """out = x @ w.T with both operands in e4m3; returns (out bf16, x_f8, w_f8) for the backward."""
-    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
-    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
-    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, scale_a=_scale_tensor(x_s, x),
-                           scale_b=_scale_tensor(w_s, x), use_fast_accum=True)
-    return out, x_f8, w_f8
-
-
-@fp8_mm.register_fake
-def _(x, w, x_s, w_s, grad_s):
-    return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
-            torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn))
-
-
-@torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
-def fp8_mm_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float,
-                    grad_s: float) -> tuple[Tensor, Tensor]:
-    """dX and dW from operands already quantised (`*_t` are contiguous transposes): _scaled_mm wants a
-    row-major first operand and a column-major second one, so dW needs the (T, vocab) gradient transposed."""
-    return _fp8_grads(g_f8, transpose_bytes(g_f8), x_f8_t, w_f8_t, x_s, w_s, grad_s)
-
-
-def _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
-    grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16,
-                              scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(w_s, g_f8), use_fast_accum=False)
-    # dW computed as (768 x vocab) then transposed: measured faster upstream for this shape.
-    grad_w = torch._scaled_mm(x_f8_t, g_f8_t.T, out_dtype=torch.float32,
-                              scale_a=_scale_tensor(x_s, g_f8), scale_b=_scale_tensor(grad_s, g_f8),
-                              use_fast_accum=False).T
-    return grad_x, grad_w
-
-
-@torch.library.custom_op("speedrun::fp8_mm_backward_pretransposed", mutates_args=())
-def fp8_mm_backward_pretransposed(g_f8: Tensor, g_f8_t: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float,
-                                  w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    """fp8_mm_backward for a caller that already has the (vocab, T) transpose of the gradient (the fused
-    softcap/cross-entropy backward writes both layouts in one pass)."""
-    return _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s)
-
-
-@fp8_mm_backward_pretransposed.register_fake
-def _(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
-    return _fp8_grads_fake(g_f8, x_f8_t, w_f8_t)
-
-
-@fp8_mm_backward.register_fake
-def _(g_f8, x_f8_t, w_f8_t, x_s, w_s, grad_s):
-    return _fp8_grads_fake(g_f8, x_f8_t, w_f8_t)
-
-
-def _fp8_grads_fake(g_f8, x_f8_t, w_f8_t):
-    # grad_w is the transpose of a contiguous (768, vocab) result: same strides as the real kernel's output.
-    return (g_f8.new_empty((g_f8.size(0), w_f8_t.size(0)), dtype=torch.bfloat16),
-            g_f8.new_empty((x_f8_t.size(0), g_f8.size(1)), dtype=torch.float32).T)
-
-
-def _fp8_mm_setup_context(ctx, inputs, output):
-    _, _, x_s, w_s, grad_s = inputs
-    _, x_f8, w_f8 = output
-    ctx.save_for_backward(x_f8, w_f8)
-    ctx.scales = (x_s, w_s, grad_s)
-    ctx.set_materialize_grads(False)
-
-
-def _fp8_mm_backward_rule(ctx, grad_out, *_):
-    x_f8, w_f8 = ctx.saved_tensors
-    x_s, w_s, grad_s = ctx.scales
-    # Quantise here, outside the opaque op: this rule is traced into the compiled backward graph, so Inductor
-    # fuses the e5m2 cast into the kernel that produces grad_out (the softcap/cross-entropy backward). Done
-    # eagerly inside the op, the passes over the (T, 50304) gradient cost about a fifth of a stage-3 step
-    # (profile of 2026-11-22). The gradient's transpose stays inside the op (transpose_bytes), on 1-byte data.
-    # (.float(): one rounding, fp32 -> e5m2, the same in eager and compiled mode; free once fused)
-    g_f8 = quantize_e5m2(grad_out, grad_s)
-    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(g_f8, x_f8.t().contiguous(), w_f8.t().contiguous(),
-                                                        x_s, w_s, grad_s)
-    return grad_x, grad_w, None, None, None
-
-
-fp8_mm.register_autograd(_fp8_mm_backward_rule, setup_context=_fp8_mm_setup_context)
-
-
-def lm_head_fp8(x: Tensor, w: Tensor) -> Tensor:
-    return torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[0]
-
-
-def quantize_e5m2(g: Tensor, grad_s: float) -> Tensor:
-    """The FP8 backward's gradient operand: e5m2(g / grad_s), one rounding from fp32."""
-    return (g.float() / grad_s).to(torch.float8_e5m2)
-
-
-# --- softcapped cross-entropy, z = 30·sigmoid(logits/7.5): the math both training heads share ---------------------
-# The softcap bounds every logit to (0, 30), so the log-sum-exp needs no max subtraction (50304·e^30 ≈ 5e17, far
-# below fp32's 3e38): one pass over the (T, 50304) logits. The softcapped logits are never stored: the target's
-# term is gathered from the raw logits and the backward recomputes the softcap (the one-hot as a comparison).
-
-def softcap_ce_forward(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """(sum over tokens of CE(30·sigmoid(logits/7.5), targets), per-token log-sum-exp), both fp32."""
-    lse = torch.exp(30 * torch.sigmoid(logits.float() / 7.5)).sum(dim=-1).log()
-    z_target = 30 * torch.sigmoid(logits.gather(1, targets[:, None]).squeeze(1).float() / 7.5)
-    return (lse - z_target).sum(), lse
-
-
-def softcap_ce_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor) -> Tensor:
-    """grad · d(softcap_ce_forward's sum)/d logits in fp32: grad·(softmax(z) - onehot)·4·s(1-s), s = sigmoid."""
-    s = torch.sigmoid(logits.float() / 7.5)
-    probs = torch.exp(30 * s - lse[:, None])
-    is_target = torch.arange(logits.size(1), device=logits.device)[None, :] == targets[:, None]
-    return grad * (probs - is_target.float()) * 4 * s * (1 - s)
-
-
-# --- fused backward of softcap + cross-entropy + FP8 gradient quantisation --------------------------------------
-
-@torch.library.custom_op("speedrun::softcap_ce_backward", mutates_args=())
-def softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor,
-                        grad_s: float) -> tuple[Tensor, Tensor]:
-    """e5m2(bf16(grad·d/dlogits sum CE(30·sigmoid(logits/7.5))) / grad_s) as (T, V) and as its (V, T) transpose.
-    logits (T, V) bf16, lse (T,) fp32 log-sum-exp of the softcapped logits, targets (T,) int64, grad 0-D."""
-    T, V = logits.shape
-    if not _kernels_usable(logits):
-        return softcap_ce_backward_reference(logits, lse, targets, grad, grad_s)
-    g = torch.empty((T, V), dtype=torch.uint8, device=logits.device)
-    g_t = torch.empty((V, T), dtype=torch.uint8, device=logits.device)
-    launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s, round_bf16=True, fp8=True)
-    return g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
-
-
-def softcap_ce_backward_reference(logits, lse, targets, grad, grad_s: float) -> tuple[Tensor, Tensor]:
-    """The same in PyTorch ops (CPU path; what the unfused head computes): bf16 gradient, /grad_s, e5m2."""
-    g_f8 = quantize_e5m2(softcap_ce_grad(logits, lse, targets, grad).to(torch.bfloat16), grad_s)
-    return g_f8, g_f8.t().contiguous()
-
-
-@softcap_ce_backward.register_fake
-def _(logits, lse, targets, grad, grad_s):
-    T, V = logits.shape
-    return (logits.new_empty((T, V), dtype=torch.float8_e5m2), logits.new_empty((V, T), dtype=torch.float8_e5m2))
-
-
-# Tile of the fused backward: (BLOCK_T, BLOCK_V, num_warps). H100, 49152 x 50304 bf16 logits (bench/ce_kernel_bench.py,
-# 2026-11-22): 32x128 with 4 warps 4.27 ms (2.3 TB/s of the 4 bytes/element moved), 64x128/8 4.59, 128x64/4 4.51,
-# 128x128/8 5.49 (register spills); the unfused path (Inductor kernel + cast + transpose) 6.33 ms.
-# SPEEDRUN_CE_BWD_CONFIG="BT,BV,W" (read at import) overrides it.
-CE_BACKWARD_CONFIG = tuple(int(v) for v in os.environ.get("SPEEDRUN_CE_BWD_CONFIG", "32,128,4").split(","))
-
-
-def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool,
-                               config: tuple = None):
-    """Run _softcap_ce_backward_kernel; out (T, V) and out_t (V, T) are uint8 (fp8=True) or float32 buffers."""
-    T, V = logits.shape
-    block_t, block_v, warps = config or CE_BACKWARD_CONFIG
-    assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
-    _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
-        logits, lse, targets, grad, out, out_t, T, V, grad_s, BLOCK_T=block_t, BLOCK_V=block_v,
-        ROUND_BF16=round_bf16, FP8=fp8, num_warps=warps)
-
-
-class FP8LMHeadCrossEntropySum(torch.autograd.Function):
-    """Training head with the FP8 lm_head: sum over tokens of CE(30·sigmoid((x Wᵀ)/7.5), targets).
-
-    Forward: the FP8 matmul (custom op) and one pass over the logits for the log-sum-exp (traced, so Inductor
-    fuses it). Backward: one Triton pass over the logits writes the e5m2 gradient in both layouts the two FP8
-    GEMMs need, replacing the softcap/CE backward kernel, its bf16 gradient tensor, the cast and the separate
-    transpose of the unfused path (lm_head_fp8 + softcapped_cross_entropy_sum, which computes the same function)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
-        logits, x_f8, w_f8 = torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
-        loss, lse = softcap_ce_forward(logits, targets)
-        ctx.save_for_backward(logits, targets, lse, x_f8, w_f8)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        logits, targets, lse, x_f8, w_f8 = ctx.saved_tensors
-        g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE)
-        grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward_pretransposed(
-            g_f8, g_f8_t, x_f8.t().contiguous(), w_f8.t().contiguous(), FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
-        return grad_x, grad_w, None
-
-
-def fp8_lm_head_cross_entropy_sum(x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
-    return FP8LMHeadCrossEntropySum.apply(x, w, targets)
-
-
-# --- MLP up-projection with ReLU² in the GEMM epilogue ------------------------------------------------------------
-# The MLP's (T, 3072) activations are the largest tensors of the step. Unfused, the forward writes pre = x W_fcᵀ,
-# then a pointwise kernel reads it back to write h = relu(pre)², and the backward writes grad_h = grad_out W_proj,
-# then reads it back with pre to write grad_pre = grad_h · 2·relu(pre): ~44 ms of memory traffic per stage-3 step
-# on an H100. One GEMM kernel serves both directions (both are A (M, K) @ B (N, K)ᵀ with K = 768, N = 3072); its
-# epilogue writes pre and h (forward) or reads pre and writes grad_pre (backward). The GEMM result is rounded to
-# the activation dtype before the epilogue math, as the unfused path rounds the cuBLAS output.
-# Measured on an H100 (2026-11-22): the saved memory traffic does not pay for this pointer-based Triton GEMM being
-# slower than cuBLAS (MLP forward+backward 2.54 vs 2.49 ms per stage-3 micro-batch), so --fused-relu2 is off by
-# default; a TMA/persistent GEMM might turn it around (the upstream record of 2026-01-10 did this with one).
-
-if triton is not None:
-    @triton.jit
-    def _linear_relu2_kernel(a_ptr, b_ptr, pre_ptr, out_ptr, M, N, K, stride_am, stride_bn, stride_pm, stride_om,
-                             BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        # Grouped tile order: GROUP_M row-blocks share each column-block of B while it is in L2.
-        pid = tl.program_id(0)
-        num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        group = pid // (GROUP_M * num_pid_n)
-        first_m = group * GROUP_M
-        group_size = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
-        pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-        b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (checked by the launcher)
-            a = tl.load(a_ptrs, mask=offs_m[:, None] < M, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_n[:, None] < N, other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        y = acc.to(out_ptr.dtype.element_ty)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        o = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        p = offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
-        if BACKWARD:
-            pre = tl.load(pre_ptr + p, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + o, (y.to(tl.float32) * 2 * tl.maximum(pre, 0.0)).to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            if STORE_PRE:
-                tl.store(pre_ptr + p, y, mask=mask)
-            r = tl.maximum(y.to(tl.float32), 0.0)
-            tl.store(out_ptr + o, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _relu2_mm_config_from_env() -> tuple:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); SPEEDRUN_RELU2_MM_CONFIG="128,256,64,8,8,3"
-    overrides it (bench/relu2_mm_bench.py times the candidates). Read once, at import."""
-    value = os.environ.get("SPEEDRUN_RELU2_MM_CONFIG")
-    return tuple(int(v) for v in value.split(",")) if value else (128, 256, 64, 8, 8, 3)
-
-
-RELU2_MM_CONFIG = _relu2_mm_config_from_env()
-
-
-def launch_linear_relu2(a: Tensor, b: Tensor, pre: Tensor, out: Tensor, backward: bool, store_pre: bool = True,
-                        config: tuple = None):
-    M, K = a.shape
-    N = b.size(0)
-    block_m, block_n, block_k, group_m, warps, stages = config or RELU2_MM_CONFIG
-    assert K % block_k == 0 and a.stride(1) == b.stride(1) == pre.stride(1) == out.stride(1) == 1, (a.shape, b.shape)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    _linear_relu2_kernel[grid](a, b, pre, out, M, N, K, a.stride(0), b.stride(0), pre.stride(0), out.stride(0),
-                               BACKWARD=backward, STORE_PRE=store_pre, BLOCK_M=block_m, BLOCK_N=block_n,
-                               BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages)
-
-
-@torch.library.custom_op("speedrun::linear_relu2", mutates_args=())
-def linear_relu2(x: Tensor, w: Tensor, store_pre: bool) -> tuple[Tensor, Tensor]:
-    """(pre, h) with pre = x @ wᵀ and h = relu(pre)², both in x's dtype; pre is empty when not stored (eval)."""
-    if not _kernels_usable(x):
-        pre = x @ w.t()
-        return (pre if store_pre else x.new_empty(0)), torch.relu(pre.float()).square().to(x.dtype)
-    h = x.new_empty((x.size(0), w.size(0)))
-    pre = torch.empty_like(h) if store_pre else x.new_empty(0)
-    launch_linear_relu2(x, w, pre if store_pre else h, h, backward=False, store_pre=store_pre)
-    return pre, h
-
-
-@linear_relu2.register_fake
-def _(x, w, store_pre):
-    h = x.new_empty((x.size(0), w.size(0)))
-    return (torch.empty_like(h) if store_pre else x.new_empty(0)), h
-
-
-@torch.library.custom_op("speedrun::relu2_grad_mm", mutates_args=())
-def relu2_grad_mm(grad_out: Tensor, w_proj: Tensor, pre: Tensor) -> Tensor:
-    """grad_pre = (grad_out @ w_projᵀ) · 2·relu(pre), the GEMM result rounded to grad_out's dtype first."""
-    if not _kernels_usable(grad_out):
-        return ((grad_out @ w_proj.t()).float() * 2 * torch.relu(pre.float())).to(grad_out.dtype)
-    grad_pre = torch.empty_like(pre)
-    launch_linear_relu2(grad_out, w_proj, pre, grad_pre, backward=True)
-    return grad_pre
-
-
-@relu2_grad_mm.register_fake
-def _(grad_out, w_proj, pre):
-    return torch.empty_like(pre)
-
-
-class ReLU2MLP(torch.autograd.Function):
-    """relu(x W_fcᵀ)² W_proj with the ReLU² in the GEMM epilogues (forward and backward); the other three GEMMs of
-    the backward are plain matmuls, traced into the compiled graph."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
-        pre, h = torch.ops.speedrun.linear_relu2(x, w_fc, True)
-        ctx.save_for_backward(x, w_fc, w_proj, pre, h)
-        return h @ w_proj
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x, w_fc, w_proj, pre, h = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_pre = torch.ops.speedrun.relu2_grad_mm(grad_out, w_proj, pre)
-        return grad_pre @ w_fc, grad_pre.t() @ x, h.t() @ grad_out
-
-
-def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
-    """relu(x @ w_fcᵀ)² @ w_proj for x (T, d), w_fc and w_proj (4d, d), with the fused epilogues."""
-    if torch.is_grad_enabled() and (x.requires_grad or w_fc.requires_grad or w_proj.requires_grad):
-        return ReLU2MLP.apply(x, w_fc, w_proj)
-    return torch.ops.speedrun.linear_relu2(x, w_fc, False)[1] @ w_proj
-
-
 # =====================================================================================
-# 3. Optimizers
+# NorMuon
 # =====================================================================================
 
+# NorMuon (Zichong Li et al.) adds Adam-like per-row second moments to Muon's orthogonalized update; the weight decay
+# is cautious (Lizhang Chen et al.): it only acts where the update already shrinks the weight.
 #
 # Two optimizers, both sharded over the ranks of the default process group (or local when there is none):
 #   NorMuon   for the 43 hidden matrices and gates: reduce-scatter grads -> per-shard update -> all-gather params
@@ -987,7 +1168,7 @@ def cautious_update(p: Tensor, v: Tensor, lr_eff: Tensor, wd_eff: Tensor) -> Non
 
 
 def normuon_lr_factor(p: Tensor) -> float:
-    """sqrt(max(1, rows/cols)) * lr_mul from the parameter's own stored 2-D shape (Δ168: attn 2, c_fc 2, c_proj 4)."""
+    """sqrt(max(1, rows/cols)) * lr_mul from the parameter's own stored 2-D shape (attn 2, c_fc 2, c_proj 4)."""
     rows, cols = p.shape[-2], p.shape[-1]
     return math.sqrt(max(1.0, rows / cols)) * float(getattr(p, "lr_mul", 1.0))
 
@@ -1014,7 +1195,7 @@ class NorMuon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=0.023, weight_decay=1.2, momentum=0.95, beta2=0.95, custom_sizing=True,
-                 orthogonalizer="polar"):
+                 orthogonalizer="polar", ortho_kernels=True):
         if orthogonalizer not in ("polar", "turbo"):
             raise ValueError(f"orthogonalizer must be 'polar' or 'turbo', got {orthogonalizer!r}")
         params = [p for p in params]
@@ -1025,6 +1206,7 @@ class NorMuon(torch.optim.Optimizer):
                 raise ValueError(f"NorMuon needs 2-D params, got shape {tuple(p.shape)} (label {getattr(p, 'label', None)!r})")
         self.world_size, self.rank = _dist_world()
         self.turbo = orthogonalizer == "turbo"
+        self.ortho_kernels = ortho_kernels  # our Triton kernels on CUDA; False: torch matmuls (A/B timing)
         self.custom_sizing = custom_sizing
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2)
         groups = [dict(params=ps, label=name) for name, ps in self._make_groups(params)]
@@ -1110,7 +1292,7 @@ class NorMuon(torch.optim.Optimizer):
         u = grads.lerp(buf, beta)                        # (1-beta) g + beta M  (Nesterov-style)
         if layout["is_attn"]:
             u = u.view(4 * n, rows // 4, cols)           # Wq, Wk, Wv, Wo separately
-        v = self._orthogonalize_fn(u, turbo=self.turbo)
+        v = self._orthogonalize_fn(u, turbo=self.turbo, kernels=self.ortho_kernels)
         dim = layout["reduce_dim"]
         if "second_momentum_buffer" not in group:
             stat_shape = list(v.shape)
@@ -1176,6 +1358,10 @@ class NorMuon(torch.optim.Optimizer):
                 p.copy_(full[i])
         return loss
 
+
+# =====================================================================================
+# DistAdam
+# =====================================================================================
 
 def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor,
                 beta1: float, beta2: float, eps: float) -> None:
@@ -1290,7 +1476,7 @@ class DistAdam(torch.optim.Optimizer):
 
 
 # =====================================================================================
-# 4. Model
+# Model
 # =====================================================================================
 
 def norm(x: Tensor) -> Tensor:
@@ -1303,29 +1489,9 @@ def tag(p: nn.Parameter, label: str, lr_mul: float = 1.0) -> nn.Parameter:
     return p
 
 
-class SoftcappedCrossEntropySum(torch.autograd.Function):
-    """sum over tokens of cross_entropy(30·sigmoid(logits/7.5)), in fp32: F.cross_entropy's function, cheaper
-    (softcap_ce_forward: no max pass, no stored softcapped logits). Its backward returns the gradient in the logits'
-    dtype. Dynamo traces both methods into the compiled graphs."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
-        loss, lse = softcap_ce_forward(logits, targets)
-        ctx.save_for_backward(logits, targets, lse)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        logits, targets, lse = ctx.saved_tensors
-        return softcap_ce_grad(logits, lse, targets, grad).to(logits.dtype), None
-
-
-def softcapped_cross_entropy_sum(logits: Tensor, targets: Tensor) -> Tensor:
-    return SoftcappedCrossEntropySum.apply(logits, targets)
-
-
 class Yarn(nn.Module):
-    """Half-truncated rotary embedding whose low frequencies are stretched (YaRN) when the window grows."""
+    """Half-truncated rotary embedding whose low frequencies are stretched (YaRN, Bowen Peng et al.) when the
+    attention window grows."""
 
     def __init__(self, head_dim: int, max_seq_len: int):
         super().__init__()
@@ -1349,7 +1515,7 @@ class Yarn(nn.Module):
 
     def apply(self, old_window, new_window=None, alpha: float = 1.0, beta: float = 32.0):
         """Stretch the slow frequencies by old/new window (fast ones kept) and raise the softmax scale.
-        (The SPEC's name; called with one function it still acts as nn.Module.apply.)"""
+        (Called with one function it still acts as nn.Module.apply.)"""
         if callable(old_window) and new_window is None:
             return super().apply(old_window)
         turns = 128 * old_window * self.freqs / (2 * math.pi)
@@ -1363,211 +1529,6 @@ class Yarn(nn.Module):
         cos, sin = self.cos[:x.size(0), None, :], self.sin[:x.size(0), None, :]
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
-
-
-# --- attention backends: q, k, v are (T, heads, head_dim) packed documents -------------
-#
-# Every backend has the signature attn_fn(q, k, v, cu_seqlens, max_seqlen, params, which): `params` holds the
-# softmax scale and the windows of the step, `which` picks the short (0) or long (1) window. For the varlen and
-# reference backends params is a CPU float64 tensor [[scale, short_window], [scale, long_window]] (tokens): the
-# compiled graphs see it as data, so one graph serves every window stage and every YaRN scale (with Python
-# numbers each (window, scale) pair would be a new graph: 4 train + 5 eval compilations instead of 1 + 1).
-# The FA3 (kernels hub) backend takes Python numbers, a tuple of tuples, and so compiles one graph per pair.
-
-def attention_scalars(params, which: int) -> tuple:
-    """(scale, window) as Python numbers from either form of `params`."""
-    row = params[which]
-    scale, window = (row.tolist() if isinstance(row, Tensor) else row)
-    return float(scale), int(window)
-
-
-def attention_reference(q, k, v, cu_seqlens, max_seqlen, params, which):
-    """Plain PyTorch: per document, causal, each query sees itself and at most `window` earlier tokens."""
-    scale, window = attention_scalars(params, which)
-    out = torch.zeros_like(q)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end <= start:
-            continue  # zero-length padding entries
-        n = end - start
-        qd, kd, vd = (t[start:end].transpose(0, 1).float() for t in (q, k, v))
-        scores = (qd @ kd.transpose(-1, -2)) * scale
-        i = torch.arange(n, device=q.device)[:, None]
-        j = torch.arange(n, device=q.device)[None, :]
-        scores = scores.masked_fill((j > i) | (i - j > window), float("-inf"))
-        out[start:end] = (scores.softmax(dim=-1) @ vd).transpose(0, 1).to(q.dtype)
-    return out
-
-
-# PyTorch's FlashAttention-2 varlen kernels (the ones behind torch.nn.attention.varlen.varlen_attn) behind our own
-# custom op, so that the window and the scale are read from a CPU tensor when the op runs instead of being baked
-# into the graph. Window (w, 0) = causal, at most w earlier tokens of the same document.
-@torch.library.custom_op("speedrun::flash_varlen", mutates_args=())
-def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
-                 which: int) -> tuple[Tensor, Tensor, Tensor]:
-    scale, window = attention_scalars(params, which)
-    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False,
-        scale=scale, window_size_left=window, window_size_right=0)
-    rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)  # dropout is 0: the backward ignores it
-    return out, lse, rng_state
-
-
-@flash_varlen.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, params, which):
-    return (torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32),
-            q.new_empty((2,), dtype=torch.uint64))
-
-
-@torch.library.custom_op("speedrun::flash_varlen_backward", mutates_args=())
-def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          rng_state: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
-                          which: int) -> tuple[Tensor, Tensor, Tensor]:
-    scale, window = attention_scalars(params, which)
-    unused = torch.empty(0, device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, rng_state, unused,
-        scale=scale, window_size_left=window, window_size_right=0)
-    return dq, dk, dv
-
-
-@flash_varlen_backward.register_fake
-def _(grad_out, q, k, v, out, lse, rng_state, cu_seqlens, max_seqlen, params, which):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def register_attention_autograd(forward_op, backward_op):
-    """Autograd of a varlen attention op (q, k, v, cu_seqlens, max_seqlen, params, which) -> (out, lse, *state):
-    saves the inputs and every output, and calls backward_op(grad_out, q, k, v, out, lse, *state, cu_seqlens,
-    max_seqlen, params, which) -> (dq, dk, dv)."""
-    def setup_context(ctx, inputs, output):
-        q, k, v, cu_seqlens, max_seqlen, params, which = inputs
-        ctx.save_for_backward(q, k, v, cu_seqlens, params, *output)
-        ctx.max_seqlen, ctx.which = max_seqlen, which
-
-    def backward(ctx, grad_out, *_):
-        q, k, v, cu_seqlens, params, *outputs = ctx.saved_tensors
-        dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, *outputs, cu_seqlens, ctx.max_seqlen, params,
-                                 ctx.which)
-        return dq, dk, dv, None, None, None, None
-
-    forward_op.register_autograd(backward, setup_context=setup_context)
-
-
-register_attention_autograd(flash_varlen, torch.ops.speedrun.flash_varlen_backward)
-
-
-def attention_varlen(q, k, v, cu_seqlens, max_seqlen, params, which):
-    return torch.ops.speedrun.flash_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
-
-
-_FA3 = None
-
-
-def attention_fa3(q, k, v, cu_seqlens, max_seqlen, params, which):
-    scale, window = attention_scalars(params, which)
-    return _FA3.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                       max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, causal=True,
-                                       softmax_scale=scale, window_size=(window, 0))
-
-
-# FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels) behind the same
-# kind of custom op as the varlen backend: window and scale are runtime arguments of its kernels (only whether a
-# window exists is in its compile key), so one compiled kernel pair serves every stage. Imported on request.
-_FA4 = None
-
-
-@torch.library.custom_op("speedrun::fa4_varlen", mutates_args=())
-def fa4_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
-               which: int) -> tuple[Tensor, Tensor]:
-    scale, window = attention_scalars(params, which)
-    out, lse, *_ = _FA4._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale,
-                                        causal=True, window_size_left=window, window_size_right=0, return_lse=True)
-    return out, lse
-
-
-@fa4_varlen.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, params, which):
-    return torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32)
-
-
-@torch.library.custom_op("speedrun::fa4_varlen_backward", mutates_args=())
-def fa4_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        cu_seqlens: Tensor, max_seqlen: int, params: Tensor, which: int) -> tuple[Tensor, Tensor, Tensor]:
-    scale, window = attention_scalars(params, which)
-    dq, dk, dv = _FA4._flash_attn_bwd(q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window,
-                                      window_size_right=0, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                      max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
-    return dq, dk, dv
-
-
-@fa4_varlen_backward.register_fake
-def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, params, which):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-register_attention_autograd(fa4_varlen, torch.ops.speedrun.fa4_varlen_backward)
-
-
-def attention_fa4(q, k, v, cu_seqlens, max_seqlen, params, which):
-    return torch.ops.speedrun.fa4_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
-
-
-ATTENTION_BACKENDS = {"fa3": attention_fa3, "fa4": attention_fa4, "varlen": attention_varlen,
-                      "reference": attention_reference}
-ATTENTION_STATIC_PARAMS = ("fa3",)  # backends that need Python numbers (one compiled graph per window pair)
-
-
-def varlen_available() -> bool:
-    """PyTorch's FlashAttention-2 varlen kernels with sliding windows (torch >= 2.10, CUDA build)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (the public API of the same kernels)
-        return hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.is_built()
-    except Exception:
-        return False
-
-
-def resolve_attention_backend(requested: str, device_type: str) -> str:
-    """auto: FA3 from the `kernels` hub when installed and reachable (the record's choice), then FlashAttention-4
-    from PyPI when installed (1.7x faster than FA2 on an H100, bench/results), then PyTorch's varlen
-    FlashAttention-2 kernels, then the reference. An explicit request that cannot work is an error."""
-    global _FA3
-    if device_type != "cuda":
-        if requested not in ("auto", "reference"):
-            raise ConfigError(f"--attn-backend {requested} needs a CUDA GPU; use --attn-backend reference on the CPU")
-        return "reference"
-    if requested in ("auto", "fa3"):
-        try:
-            from kernels import get_kernel
-            _FA3 = get_kernel("varunneal/flash-attention-3").flash_attn_interface
-            return "fa3"
-        except Exception as e:
-            if requested == "fa3":
-                raise ConfigError(f"--attn-backend fa3 unavailable ({type(e).__name__}: {e}); "
-                                  "pip install kernels (needs network) or use --attn-backend varlen") from None
-    if requested in ("auto", "fa4"):
-        try:
-            global _FA4
-            if torch.cuda.get_device_capability()[0] < 9:
-                raise RuntimeError("its kernels need compute capability 9.0 or newer (Hopper, Blackwell)")
-            # Keep FA4's JIT-compiled kernels on disk (read at its import), as Inductor keeps its graphs: a restart
-            # then loads them instead of compiling for ~10 s. FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 opts out.
-            os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-            import flash_attn.cute.interface as fa4_interface
-            _FA4 = fa4_interface
-            return "fa4"
-        except Exception as e:
-            if requested == "fa4":
-                raise ConfigError(f"--attn-backend fa4 unavailable ({type(e).__name__}: {e}); "
-                                  "pip install flash-attn-4 (Hopper or Blackwell) or use --attn-backend varlen") from None
-    if requested in ("auto", "varlen"):
-        if varlen_available():
-            return "varlen"
-        if requested == "varlen":
-            raise ConfigError("--attn-backend varlen needs torch.nn.attention.varlen (torch >= 2.10, CUDA build); "
-                              f"this is torch {torch.__version__}")
-    return "reference"
 
 
 class CausalSelfAttention(nn.Module):
@@ -1608,12 +1569,8 @@ class MLP(nn.Module):
         bound = math.sqrt(3) * 0.5 * dim ** -0.5
         with torch.no_grad():
             self.c_fc.uniform_(-bound, bound)
-        self.fused_relu2 = False  # relu2_mlp (ReLU² in the GEMM epilogues) instead of Inductor's kernels; set by
-                                  # build_model_and_optimizers
 
     def forward(self, x):
-        if self.fused_relu2:
-            return relu2_mlp(x, self.c_fc.type_as(x), self.c_proj.type_as(x))
         h = F.relu(F.linear(x, self.c_fc.type_as(x))).square()
         return h @ self.c_proj.type_as(x)
 
@@ -1631,9 +1588,14 @@ class GPT(nn.Module):
     LONG_WINDOW_LAYERS = (4, 11)   # the rest use the short window
     VALUE_EMBED_OF_LAYER = {1: 1, 2: 2, 9: 0, 10: 1, 11: 2}
     SKIP_FROM, SKIP_TO, BACKOUT_FROM = 4, 7, 8
+    SKIP_WEIGHT = 1                # the skip weight the record reads for the 4 -> 7 skip (scalars[1])
     NUM_SCALARS = 62               # 12 skip weights, 12x2 block lambdas, 12x2 SA lambdas, smear, backout
 
-    def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1):
+    def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1, attn_backend: str = "reference",
+                 fp8: bool = False, dynamic_seq_len: bool = False):
+        """max_seq_len: longest packed micro-batch (rotary tables); world_size: pads the scalars for DistAdam;
+        attn_backend: a key of ATTENTION_BACKENDS; fp8: FP8 lm_head in training; dynamic_seq_len: mark the token
+        dimension dynamic so one compiled graph serves every batch size."""
         super().__init__()
         d, L = args.model_dim, args.num_layers
         self.vocab_size = next_multiple_of(args.vocab_size, 128)
@@ -1644,8 +1606,7 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
         self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim) for i in range(L)])
         self.yarn = Yarn(args.head_dim, max_seq_len)
-        self.lm_head = nn.Linear(d, self.vocab_size, bias=False)
-        nn.init.zeros_(self.lm_head.weight)
+        self.lm_head = LMHead(d, self.vocab_size, fp8, args.fused_fp8_head, args.ce_backward_tile)
         for m in self.modules():  # embeddings, gates and lm_head live in bf16; the big matrices stay fp32
             if isinstance(m, (nn.Embedding, nn.Linear)):
                 m.bfloat16()
@@ -1662,11 +1623,9 @@ class GPT(nn.Module):
             tag(ve.weight, "value_embed", 75.0)
         tag(self.lm_head.weight, "lm_head", 1.0)
         tag(self.scalars, "scalars", 5.0)
-        self.attn_fn = attention_reference
-        self.static_attention_params = False  # True for backends that need Python numbers (FA3)
-        self.dynamic_seq_len = False          # compile the token dimension as symbolic (set by the trainer)
-        self.use_fp8 = False
-        self.fused_fp8_head = True            # FP8LMHeadCrossEntropySum instead of lm_head_fp8 + softcapped CE
+        self.attn_fn = ATTENTION_BACKENDS[attn_backend]
+        self.static_attention_params = attn_backend in ATTENTION_STATIC_PARAMS
+        self.dynamic_seq_len = dynamic_seq_len
         self._trunk = self._head = None  # compiled regions, set by compile_regions()
 
     def compile_regions(self, **options):
@@ -1698,7 +1657,7 @@ class GPT(nn.Module):
     def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, attn_params, max_seqlen: int) -> Tensor:
         """Embeddings and blocks: returns the normalised final hidden state (T, d)."""
         L = len(self.blocks)
-        skip_w = self.scalars[:L]
+        skip_w = self.scalars[:L]           # one per layer; only the U-net skip into SKIP_TO's is used
         lambdas = self.scalars[L:3 * L].view(L, 2)
         sa_lambdas = self.scalars[3 * L:5 * L].view(L, 2)
         smear_lambda, backout_lambda = self.scalars[5 * L], self.scalars[5 * L + 1]
@@ -1713,7 +1672,7 @@ class GPT(nn.Module):
         for i in range(1, L):
             block = self.blocks[i]
             if i == self.SKIP_TO:
-                x = x + torch.sigmoid(skip_w[1]) * skip
+                x = x + torch.sigmoid(skip_w[self.SKIP_WEIGHT]) * skip
             x = lambdas[i, 0] * x + lambdas[i, 1] * x0
             if block.attn is not None:
                 which = 1 if i in self.LONG_WINDOW_LAYERS else 0
@@ -1729,16 +1688,7 @@ class GPT(nn.Module):
         return norm(x - backout_lambda * backout)
 
     def head(self, x: Tensor, target_seq: Tensor) -> Tensor:
-        """lm_head, softcap and cross-entropy: summed over tokens in training, mean in eval."""
-        if self.training and self.use_fp8:  # summed over tokens; the loop divides by the accumulation steps
-            if self.fused_fp8_head:
-                return fp8_lm_head_cross_entropy_sum(x, self.lm_head.weight, target_seq)
-            return softcapped_cross_entropy_sum(lm_head_fp8(x, self.lm_head.weight), target_seq)
-        logits = F.linear(x, self.lm_head.weight)
-        if self.training:
-            return softcapped_cross_entropy_sum(logits, target_seq)
-        logits = 30 * torch.sigmoid(logits / 7.5)  # softcap into (0, 30)
-        return F.cross_entropy(logits.float(), target_seq, reduction="mean")
+        return self.lm_head(x, target_seq)
 
 
 def next_multiple_of(x: int, n: int) -> int:
@@ -1746,7 +1696,7 @@ def next_multiple_of(x: int, n: int) -> int:
 
 
 # =====================================================================================
-# 5. Data
+# Data
 # =====================================================================================
 
 SHARD_MAGIC = 20240520
@@ -1986,8 +1936,9 @@ def validation_batches(path, val_batch_size: int, val_tokens: int, grad_accum_st
 
 
 # =====================================================================================
-# 6. Schedules  (x = step / num_scheduled_iterations)
+# Schedules
 # =====================================================================================
+
 # The record's formulas, written so that every schedule length gives what the record's script would give:
 # the same float expressions (x = step / N, int(len * x)), the same comparisons, the same precedence.
 
@@ -2086,7 +2037,7 @@ def schedule_line(step: int, args: Hyperparameters) -> str:
 
 
 # =====================================================================================
-# 7. Train loop
+# Training loop
 # =====================================================================================
 
 PROCESS_START = time.time()  # for the cold-start figure in the log
@@ -2138,7 +2089,8 @@ def build_optimizers(model: GPT, args: Hyperparameters):
     assert {id(p) for p in hidden + gates + adam_params} == {id(p) for p in model.parameters()}
     adam = DistAdam(adam_params, lr=args.adam_lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
     muon = NorMuon(hidden + gates, lr=args.muon_lr, weight_decay=args.muon_weight_decay,
-                   momentum=args.muon_momentum_warmup[0], beta2=args.muon_beta2, orthogonalizer=args.orthogonalizer)
+                   momentum=args.muon_momentum_warmup[0], beta2=args.muon_beta2, orthogonalizer=args.orthogonalizer,
+                   ortho_kernels=args.ortho_kernels)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -2157,18 +2109,35 @@ def optimizer_step(step: int, model: nn.Module, adam, muon):
         adam.should_sync = False
 
 
+@dataclass(frozen=True)
+class RunResult:
+    steps: int
+    val_loss: float           # the final validation's
+    train_time_ms: float      # the timed loop's clock at the final validation
+
+
+TARGET_VAL_LOSS = 3.28
+
+
+def summary_line(args: Hyperparameters, rt: "Runtime", result: RunResult) -> str:
+    """The log's last line: what a reader (or records/compare.py) wants first."""
+    peak = torch.cuda.max_memory_allocated() // 2**20 if rt.device == "cuda" else None
+    reached = "reached" if result.val_loss <= TARGET_VAL_LOSS else "not reached"
+    return (f"summary: val_loss {result.val_loss:.4f} at step {result.steps}, train_time {result.train_time_ms / 1000:.3f}s, "
+            f"step_avg {result.train_time_ms / max(result.steps, 1):.2f}ms, "
+            f"peak_memory {f'{peak} MiB' if peak is not None else 'n/a (cpu)'}, "
+            f"target {TARGET_VAL_LOSS} {reached}")
+
+
 @dataclass
 class Trainer:
     args: Hyperparameters
+    rt: "Runtime"
     model: GPT                 # compiled per region (GPT.compile_regions) or plain
     adam: object
     muon: object
     train_files: list
     val_file: str
-    rank: int
-    world_size: int
-    grad_accum_steps: int
-    device: str
     log: Logger
 
     def console(self, text: str):
@@ -2178,8 +2147,8 @@ class Trainer:
     def new_batches(self, batch_size: int) -> BatchStream:
         a = self.args
         return BatchStream(distributed_data_generator(self.train_files, batch_size, a.train_max_seq_len,
-                                                      self.grad_accum_steps, self.rank, self.world_size,
-                                                      a.train_epochs, self.device))
+                                                      self.rt.grad_accum_steps, self.rt.rank, self.rt.world_size,
+                                                      a.train_epochs, self.rt.device))
 
     def train_step(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
                    micro_batches: int):
@@ -2203,11 +2172,11 @@ class Trainer:
     def evaluate(self, ws_short: int, ws_long: int, max_steps: int = None) -> float:
         a = self.args
         self.model.eval()
-        num_tokens = a.val_batch_size // (self.grad_accum_steps * self.world_size)
-        total, steps = torch.zeros((), device=self.device), 0
+        num_tokens = a.val_batch_size // (self.rt.grad_accum_steps * self.rt.world_size)
+        total, steps = torch.zeros((), device=self.rt.device), 0
         for inputs, targets, cu_seqlens in validation_batches(self.val_file, a.val_batch_size, a.val_tokens,
-                                                              self.grad_accum_steps, self.rank, self.world_size,
-                                                              self.device):
+                                                              self.rt.grad_accum_steps, self.rt.rank, self.rt.world_size,
+                                                              self.rt.device):
             total += self.model(inputs, targets, cu_seqlens, ws_short, ws_long, num_tokens)
             steps += 1
             if max_steps is not None and steps >= max_steps:
@@ -2215,7 +2184,7 @@ class Trainer:
         total /= steps
         if dist.is_initialized():
             dist.all_reduce(total)  # SUM then divide: gloo has no AVG all-reduce
-            total /= self.world_size
+            total /= self.rt.world_size
         self.model.train()
         return total.item()
 
@@ -2235,9 +2204,9 @@ class Trainer:
                 self.model.yarn.apply(previous, stage.ws_long)
             previous = stage.ws_long
             for k in range(a.warmup_steps_per_stage):
-                self.train_step(k, batches, (stage.batch_size, a.train_max_seq_len, self.grad_accum_steps),
+                self.train_step(k, batches, (stage.batch_size, a.train_max_seq_len, self.rt.grad_accum_steps),
                                 stage.ws_short, stage.ws_long, micro_batches=1)
-            synchronize(self.device)
+            synchronize(self.rt.device)
             seconds = time.time() - t
             self.warm_up_times.append((f"train batch {stage.batch_size} window {stage.ws_long}", seconds))
             self.console(f"warm-up: train steps for batch {stage.batch_size}, window {stage.ws_long}: {seconds:.1f}s "
@@ -2266,11 +2235,11 @@ class Trainer:
             opt.load_state_dict(state)
         del batches
 
-    def train(self):
+    def train(self) -> "RunResult":
         with no_compiles_allowed(self.args.fail_on_recompile):
             return self._timed_loop()
 
-    def _timed_loop(self):
+    def _timed_loop(self) -> "RunResult":
         a, log = self.args, self.log
         total = a.num_iterations
         table = stages(a)
@@ -2280,7 +2249,7 @@ class Trainer:
         switch_steps = {s.first_step for s in table if s.first_step < total}
         training_time_ms = 0.0
         gc.collect()  # no stop-the-world gen-2 collection in the timed region
-        synchronize(self.device)
+        synchronize(self.rt.device)
         t0 = time.perf_counter()
         for step in range(total + 1):
             last = step == total
@@ -2292,42 +2261,45 @@ class Trainer:
                 self.model.yarn.apply(current_long, ws_long)
                 current_long = ws_long
             if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
-                synchronize(self.device)
+                synchronize(self.rt.device)
                 training_time_ms += 1000 * (time.perf_counter() - t0)
                 eval_long = a.ws_validate_post_yarn_ext if last else ws_long  # no YaRN update for the final one
                 val_loss = self.evaluate(ws_short, eval_long)
                 log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
                     f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
-                synchronize(self.device)
+                synchronize(self.rt.device)
                 t0 = time.perf_counter()
             if last:
                 break
             bs = stage.batch_size
-            settings = (bs, a.train_max_seq_len, self.grad_accum_steps) if bs != previous_bs else None
+            settings = (bs, a.train_max_seq_len, self.rt.grad_accum_steps) if bs != previous_bs else None
             previous_bs = bs
             self.set_schedules(step)
             if step == a.profile_step:
                 self.profile_step(step, batches, settings, ws_short, ws_long)
             else:
-                self.train_step(step, batches, settings, ws_short, ws_long, self.grad_accum_steps)
+                self.train_step(step, batches, settings, ws_short, ws_long, self.rt.grad_accum_steps)
             approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
             log(f"step:{step + 1}/{total} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
-        return total
-
+        return RunResult(steps=total, val_loss=val_loss, train_time_ms=training_time_ms)
 
     def profile_step(self, step, batches, settings, ws_short, ws_long):
         """One training step under torch.profiler (diagnostics: the step's time includes profiler overhead)."""
         from torch.profiler import ProfilerActivity, profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
-        synchronize(self.device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.rt.device == "cuda" else [])
+        synchronize(self.rt.device)
         with profile(activities=activities) as prof:
-            self.train_step(step, batches, settings, ws_short, ws_long, self.grad_accum_steps)
-            synchronize(self.device)
+            self.train_step(step, batches, settings, ws_short, ws_long, self.rt.grad_accum_steps)
+            synchronize(self.rt.device)
         if self.log.master:
             path = self.log.path.with_name(self.log.path.stem + "_profile.txt")
-            path.write_text(summarize_profile(prof, f"step {step}, world size {self.world_size}"))
+            path.write_text(summarize_profile(prof, f"step {step}, world size {self.rt.world_size}"))
             self.console(f"profile of step {step} written to {path}")
 
+
+# =====================================================================================
+# Diagnostics
+# =====================================================================================
 
 def compiled_graph_count() -> int:
     """Graphs torch.compile has produced in this process (model regions and optimizer helpers)."""
@@ -2425,16 +2397,44 @@ def peak_memory_line(device: str) -> str:
 
 
 # =====================================================================================
-# 8. main()
+# main(): settings -> runtime -> trainer -> run
 # =====================================================================================
+
+@dataclass(frozen=True)
+class Runtime:
+    """How this process runs, resolved once from the settings, the launcher's environment and the machine."""
+    device: str               # cuda | cpu
+    rank: int
+    local_rank: int
+    world_size: int
+    grad_accum_steps: int     # micro-batches per step: 8 // world_size, so the global batch never changes
+    attn_backend: str         # a key of ATTENTION_BACKENDS
+    compile: bool
+    fp8: bool
+    dynamic_seq_len: bool     # one compiled graph for every batch size
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def config_line(self, args: Hyperparameters) -> str:
+        """The log's `Run config:` line (records/compare.py reads it)."""
+        gpu_name = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
+        return (f'Run config: world_size={self.world_size} grad_accum_steps={self.grad_accum_steps} '
+                f'device={self.device} attn_backend={self.attn_backend} orthogonalizer={args.orthogonalizer} '
+                f'fp8={int(self.fp8)} compile={int(self.compile)} dynamic_seq_len={int(self.dynamic_seq_len)} '
+                f'fused_fp8_head={int(self.fp8 and args.fused_fp8_head)} data_path={args.data_path} '
+                f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
+                f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
+
 
 def grad_accum_steps_for(world_size: int) -> int:
     if world_size in (1, 2, 4, 8):
         return 8 // world_size
     if world_size > 8 and world_size % 8 == 0:
         return 1  # multi-node: one micro-batch per rank, same global batch
-    raise ConfigError(f"world size {world_size} is not supported: use 1, 2, 4 or 8 GPUs per node "
-                      "(or a multiple of 8 across nodes)")
+    raise ConfigError(f"world size {world_size} is not supported: launch 1, 2, 4 or 8 processes per node "
+                      "(or a multiple of 8 across nodes), e.g. torchrun --nproc_per_node=8")
 
 
 def pick_device(args: Hyperparameters) -> str:
@@ -2450,8 +2450,25 @@ def pick_device(args: Hyperparameters) -> str:
     raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
 
 
-def find_data(args: Hyperparameters, world_size: int, grad_accum_steps: int):
-    """Check the data before any process group exists, so a bad folder fails fast on every rank."""
+def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
+    """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read."""
+    world_size = int(env.get("WORLD_SIZE", 1))
+    device = pick_device(args)
+    use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
+    if args.fp8 == "on" and device != "cuda":
+        raise ConfigError("--fp8 on needs a CUDA GPU (FP8 matmuls); use --fp8 auto or off on the CPU")
+    backend = resolve_attention_backend(args.attn_backend, device)
+    if use_compile and backend == "reference":
+        raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
+    return Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
+                   world_size=world_size, grad_accum_steps=grad_accum_steps_for(world_size), attn_backend=backend,
+                   compile=use_compile, fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
+                   dynamic_seq_len=use_compile and args.dynamic_seq_len)
+
+
+def find_data(args: Hyperparameters, rt: Runtime):
+    """Check the data before any process group exists or any file is written. Every rank reads the same headers,
+    so a problem is a ConfigError (reported once, by rank 0)."""
     folder = Path(args.data_path)
     if not folder.is_dir():
         raise ConfigError(f"data folder {folder} does not exist: run `python data/cached_fineweb10B.py 9` "
@@ -2462,8 +2479,11 @@ def find_data(args: Hyperparameters, world_size: int, grad_accum_steps: int):
         raise ConfigError(f"no {'training' if not train_files else 'validation'} shards matching "
                           f"{folder / (args.train_files if not train_files else args.val_files)}: "
                           "download or build them first (see README)")
-    train_tokens = sum(read_shard_header(f) for f in train_files)
-    val_tokens = read_shard_header(val_files[0])
+    try:
+        train_tokens = sum(read_shard_header(f) for f in train_files)
+        val_tokens = read_shard_header(val_files[0])
+    except ShardError as e:
+        raise ConfigError(str(e)) from None
     needed = sum(get_bs(s, args) for s in range(args.num_iterations))
     if train_tokens * args.train_epochs < needed:
         raise ConfigError(f"too little training data: the schedule consumes {needed:,} tokens but "
@@ -2473,114 +2493,93 @@ def find_data(args: Hyperparameters, world_size: int, grad_accum_steps: int):
         raise ConfigError(f"validation shard {val_files[0]} holds {val_tokens:,} tokens, fewer than "
                           f"--val-tokens {args.val_tokens:,} + 1: lower --val-tokens (and --val-batch-size)")
     for bs in (*args.train_bs_schedule, args.train_bs_extension, args.val_batch_size):
-        if bs % (grad_accum_steps * world_size):
+        if bs % (rt.grad_accum_steps * rt.world_size):
             raise ConfigError(f"batch size {bs} is not divisible by grad_accum_steps x world_size "
-                              f"({grad_accum_steps} x {world_size})")
+                              f"({rt.grad_accum_steps} x {rt.world_size})")
     return train_files, val_files[0]
 
 
-def setup_process_group(device: str, rank: int, world_size: int, local_rank: int) -> str:
-    if device == "cuda":
-        torch.cuda.set_device(local_rank)
+def setup_process_group(rt: Runtime):
+    if rt.device == "cuda":
+        torch.cuda.set_device(rt.local_rank)
         # Works around a first-backward bug seen on some systems (the record does the same).
         torch.zeros(1, device="cuda", requires_grad=True).sum().backward()
-    if "RANK" in os.environ:  # launched by torchrun
-        if device == "cuda":
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    if rt.world_size > 1 or "RANK" in os.environ:  # launched by torchrun
+        if rt.device == "cuda":
+            dist.init_process_group("nccl", device_id=torch.device("cuda", rt.local_rank))
         else:
             dist.init_process_group("gloo")
         dist.barrier()
-    return device
 
 
-def fused_relu2_enabled(args: Hyperparameters, device: str) -> bool:
-    """--fused-relu2 applies on GPUs; CPU runs keep Inductor's kernels (the op's CPU path is plain torch)."""
-    return args.fused_relu2 and device == "cuda"
-
-
-def build_model_and_optimizers(args: Hyperparameters, device: str, world_size: int, backend: str,
-                               use_compile: bool, use_fp8: bool):
+def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
     """The model (rank 0's initialisation on every rank, compiled per region) and its two optimizers."""
-    grad_accum_steps = grad_accum_steps_for(world_size)
-    max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // (grad_accum_steps * world_size)
-    model = GPT(args, max_seq_len=max_seq_len, world_size=world_size).to(device)
-    model.attn_fn = ATTENTION_BACKENDS[backend]
-    model.static_attention_params = backend in ATTENTION_STATIC_PARAMS
-    model.dynamic_seq_len = use_compile and args.dynamic_seq_len
-    model.use_fp8 = use_fp8
-    model.fused_fp8_head = args.fused_fp8_head
-    for block in model.blocks:
-        if block.mlp is not None:
-            block.mlp.fused_relu2 = fused_relu2_enabled(args, device)
+    tokens_per_rank = rt.grad_accum_steps * rt.world_size
+    max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // tokens_per_rank
+    model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
+                dynamic_seq_len=rt.dynamic_seq_len).to(rt.device)
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)
-    if use_compile:
+    if rt.compile:
         model.compile_regions(dynamic=False, fullgraph=True)
     adam, muon = build_optimizers(model, args)
-    if use_compile:
+    if rt.compile:
         muon.compile_helpers()
         adam.compile_helpers()
     return model, adam, muon
 
 
-def run(args: Hyperparameters) -> None:
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    master = rank == 0
-    grad_accum_steps = grad_accum_steps_for(world_size)
-    device = pick_device(args)
-    backend = resolve_attention_backend(args.attn_backend, device)
-    use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
-    use_fp8 = device == "cuda" and not os.environ.get("DISABLE_FP8")
-    model_dynamic = use_compile and args.dynamic_seq_len
-    if use_compile and backend == "reference":
-        raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
-    train_files, val_file = find_data(args, world_size, grad_accum_steps)
-    setup_process_group(device, rank, world_size, local_rank)
+def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Trainer":
+    """Everything a run needs, in one place (run() and bench/bench.py both call this): data checked first, then
+    the process group, the log with its header, the model and optimizers."""
+    train_files, val_file = find_data(args, rt)
+    setup_process_group(rt)
     torch._dynamo.config.recompile_limit = 64
-
-    run_id = args.run_id or str(uuid.uuid4())
-    log = Logger(Path(args.log_dir) / f"{run_id}.txt", master)
-    if master:
+    log = Logger(log_path, rt.master)
+    if rt.master:
         print(log.path, flush=True)
     log(Path(__file__).read_text(), console=False)
     log(SEPARATOR, console=False)
     log(f"Running Python {sys.version}", console=False)
     log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}", console=False)
     log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
-    gpu_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    log(f'Run config: world_size={world_size} grad_accum_steps={grad_accum_steps} device={device} '
-        f'attn_backend={backend} orthogonalizer={args.orthogonalizer} fp8={int(use_fp8)} '
-        f'compile={int(use_compile)} dynamic_seq_len={int(model_dynamic)} fused_fp8_head={int(args.fused_fp8_head)} '
-        f'fused_relu2={int(fused_relu2_enabled(args, device))} data_path={args.data_path} '
-        f'train_epochs={args.train_epochs} '
-        f'seed={args.seed} gpu_name="{gpu_name}"', console=False)
+    log(rt.config_line(args), console=False)
     if args.train_epochs > 1:
         log(f"note: the loader cycles over the training shards {args.train_epochs} times (--train-epochs)")
     log(nvidia_smi(), console=False)
     log(SEPARATOR, console=False)
-
     if args.seed >= 0:
         torch.manual_seed(args.seed)
-    model, adam, muon = build_model_and_optimizers(args, device, world_size, backend, use_compile, use_fp8)
-    trainer = Trainer(args, model, adam, muon, train_files, val_file, rank, world_size,
-                      grad_accum_steps, device, log)
+    model, adam, muon = build_model_and_optimizers(args, rt)
+    return Trainer(args, rt, model, adam, muon, train_files, val_file, log)
+
+
+def run(args: Hyperparameters) -> None:
+    rt = resolve_runtime(args)
+    if args.check:
+        find_data(args, rt)
+        print(f"check: ok: {rt.world_size} process(es) on {rt.device}, attention {rt.attn_backend}, "
+              f"{rt.grad_accum_steps} micro-batch(es) per step, data {args.data_path}", flush=True)
+        return
+    run_id = args.run_id or str(uuid.uuid4())
+    trainer = build_trainer(args, rt, Path(args.log_dir) / f"{run_id}.txt")
+    log = trainer.log
     t_warm = time.time()
     trainer.warm_up_kernels()
     log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
         f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs)")
-    step = trainer.train()
-    if dist.is_initialized() and world_size > 1:
-        same = replicas_identical(model)
-        log(f"replica check: parameters {'bit-identical' if same else 'DIFFER'} across {world_size} ranks")
-    log(peak_memory_line(device))
-    if args.save_checkpoint and master:
-        path = Path(args.log_dir) / run_id / f"state_step{step:06d}.pt"
+    result = trainer.train()
+    if dist.is_initialized() and rt.world_size > 1:
+        same = replicas_identical(trainer.model)
+        log(f"replica check: parameters {'bit-identical' if same else 'DIFFER'} across {rt.world_size} ranks")
+    log(peak_memory_line(rt.device))
+    log(summary_line(args, rt, result))
+    if args.save_checkpoint and rt.master:
+        path = Path(args.log_dir) / run_id / f"state_step{result.steps:06d}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(dict(step=step, code=Path(__file__).read_text(), model=model.state_dict(),
-                        optimizers=[adam.state_dict(), muon.state_dict()]), path)
+        torch.save(dict(step=result.steps, code=Path(__file__).read_text(), model=trainer.model.state_dict(),
+                        optimizers=[trainer.adam.state_dict(), trainer.muon.state_dict()]), path)
 
 
 def main(argv=None) -> int:
@@ -2590,8 +2589,8 @@ def main(argv=None) -> int:
         run(args)
         return 0
     except (ConfigError, ShardError, DataExhausted) as e:
-        # Config errors are seen identically by every rank: rank 0 speaks for all. Data errors may hit
-        # one rank only, so that rank reports it (torchrun then stops the others).
+        # Config errors are seen identically by every rank: rank 0 speaks for all. Data errors during training
+        # may hit one rank only, so that rank reports it (torchrun then stops the others).
         if rank == 0 or not isinstance(e, ConfigError):
             prefix = "error" if rank == 0 else f"error (rank {rank})"
             print(f"{prefix}: {e}", file=sys.stderr, flush=True)

@@ -126,13 +126,6 @@ def relative_error(a: Tensor, b: Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def stage_table(args: tg.Hyperparameters) -> list:
-    """(name, global batch tokens, long window) for the three batch-size stages and the extension."""
-    rows = [(f"stage {i + 1}", bs, ws) for i, (bs, ws) in enumerate(zip(args.train_bs_schedule, args.ws_schedule))]
-    rows.append(("extension", args.train_bs_extension, args.ws_final))
-    return rows
-
-
 def format_table(result: dict) -> str:
     lines = [f"{'stage':<10} {'tokens/step':>11} {'windows':>8} {'ms/step':>8} {'ref ms':>7} {'x ref':>6} "
              f"{'tokens/s':>10} {'MFU':>6} {'MFU@798':>7} {'peak alloc':>11}"]
@@ -176,38 +169,25 @@ def folder_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2 ** 20
 
 
-def build_trainer(args: tg.Hyperparameters, log_dir: Path):
-    """The trainer exactly as run() builds it for one GPU (compiled, FP8 unless DISABLE_FP8)."""
-    tg.setup_process_group("cuda", 0, 1, 0)
-    torch._dynamo.config.recompile_limit = 64
-    torch.manual_seed(args.seed)
-    grad_accum = tg.grad_accum_steps_for(1)
-    train_files, val_file = tg.find_data(args, 1, grad_accum)
-    backend = tg.resolve_attention_backend(args.attn_backend, "cuda")
-    model, adam, muon = tg.build_model_and_optimizers(args, "cuda", 1, backend, use_compile=True,
-                                                      use_fp8=not os.environ.get("DISABLE_FP8"))
-    log = tg.Logger(log_dir / "bench_log.txt", True)
-    return tg.Trainer(args, model, adam, muon, train_files, val_file, 0, 1, grad_accum, "cuda", log)
-
-
 def measure_stages(trainer, args, steps: int, n_params: int, peak: float) -> list:
     rows, previous_long, step = [], args.ws_schedule[0], 0
-    for name, bs, long in stage_table(args):
-        if long != previous_long:
-            trainer.model.yarn.apply(previous_long, long)
-            previous_long = long
+    for stage in tg.stages(args):
+        name, bs = stage.name, stage.batch_size
+        if stage.ws_long != previous_long:
+            trainer.model.yarn.apply(previous_long, stage.ws_long)
+            previous_long = stage.ws_long
         batches = trainer.new_batches(bs)
         torch.cuda.reset_peak_memory_stats()
 
         def one_step():
             nonlocal step
-            trainer.train_step(step, batches, None, long // 2, long, trainer.grad_accum_steps)
+            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, trainer.rt.grad_accum_steps)
             step += 1
         with tg.no_compiles_allowed():
             times = timed(one_step, steps + 2)[2:]  # the first two refill the loader's queue
         ms = statistics.median(times)
         stage_no = int(name.split()[-1]) if name.startswith("stage") else None
-        rows.append(dict(name=name, tokens_per_step=bs, windows=f"{long // 2},{long}", steps=len(times),
+        rows.append(dict(name=name, tokens_per_step=bs, windows=f"{stage.ws_short},{stage.ws_long}", steps=len(times),
                          median_ms=ms, mean_ms=statistics.fmean(times), min_ms=min(times), max_ms=max(times),
                          tokens_per_s=bs / (ms / 1000), mfu=mfu(bs / (ms / 1000), n_params, peak),
                          mfu_vs_798=mfu(bs / (ms / 1000), n_params, REFERENCE_PEAK_TFLOPS * 1e12),
@@ -220,10 +200,10 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float) -> lis
 
 def measure_optimizers(trainer, args, repeats: int = 20) -> dict:
     """Each optimizer's step alone, on real gradients of one stage-3 micro-batch."""
-    bs, long = args.train_bs_schedule[-1], args.ws_schedule[-1]
-    batches = trainer.new_batches(bs)
+    stage = tg.stages(args)[-2]  # the last scheduled stage: the largest batch and window
+    batches = trainer.new_batches(stage.batch_size)
     inputs, targets, cu = batches.get()
-    trainer.model(inputs, targets, cu, long // 2, long, args.train_max_seq_len).backward()
+    trainer.model(inputs, targets, cu, stage.ws_short, stage.ws_long, args.train_max_seq_len).backward()
     trainer.adam.should_sync = False
     with tg.no_compiles_allowed():
         muon_ms = statistics.median(timed(trainer.muon.step, repeats))
@@ -256,11 +236,12 @@ def measure_orthogonalizer(muon, svd_matrices: int = 4) -> dict:
 def stage3_step(trainer, args):
     """A function running one stage-3 training step (odd: NorMuon + DistAdam), after one step that fills the loader
     and a synchronisation, so that what is measured around it is that step alone."""
-    bs, long = args.train_bs_schedule[-1], args.ws_schedule[-1]
-    batches = trainer.new_batches(bs)
-    trainer.train_step(0, batches, None, long // 2, long, trainer.grad_accum_steps)
+    stage = tg.stages(args)[-2]  # the last scheduled stage
+    batches = trainer.new_batches(stage.batch_size)
+    windows = (stage.ws_short, stage.ws_long)
+    trainer.train_step(0, batches, None, *windows, trainer.rt.grad_accum_steps)
     torch.cuda.synchronize()
-    return lambda: trainer.train_step(1, batches, None, long // 2, long, trainer.grad_accum_steps)
+    return lambda: trainer.train_step(1, batches, None, *windows, trainer.rt.grad_accum_steps)
 
 
 def count_host_syncs(trainer, args) -> dict:
@@ -293,13 +274,12 @@ def measure_profile(trainer, args, out_path: Path) -> str:
     return text
 
 
-def bench_args(data_dir: Path, seed: int, dynamic_seq_len: bool = True, fused_fp8_head: bool = True,
-               attn_backend: str = "auto", fused_relu2: bool = False) -> tg.Hyperparameters:
-    """The record's hyperparameters; only the data (synthetic, cycled) and the val set (one batch) differ."""
-    defaults = tg.Hyperparameters()
-    return dataclasses.replace(defaults, data_path=str(data_dir), seed=seed, train_epochs=100,
-                               val_tokens=defaults.val_batch_size, dynamic_seq_len=dynamic_seq_len,
-                               fused_fp8_head=fused_fp8_head, attn_backend=attn_backend, fused_relu2=fused_relu2)
+def bench_args(data_dir: Path, seed: int, train_flags=()) -> tg.Hyperparameters:
+    """The trainer's settings from its own command line (the record's defaults plus `train_flags`); only the data
+    (synthetic, cycled) and the validation set (one batch) are the benchmark's."""
+    args = tg.parse_args(list(train_flags))
+    return dataclasses.replace(args, data_path=str(data_dir), seed=seed, train_epochs=100,
+                               val_tokens=args.val_batch_size)
 
 
 def compile_report() -> dict:
@@ -328,31 +308,28 @@ def main(argv=None) -> int:
                     help="afterwards, measure the cold start again in a new process with this run's caches")
     ap.add_argument("--cold-start-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--commit", default="", help="recorded in the JSON when .git is not available")
-    ap.add_argument("--static", action="store_true",
-                    help="compile one graph per batch-size stage (dynamic_seq_len off): the A/B control")
-    ap.add_argument("--unfused-head", action="store_true",
-                    help="lm_head_fp8 + softcapped CE instead of the fused FP8 head (A/B control)")
-    ap.add_argument("--fused-mlp", action="store_true",
-                    help="ReLU² in the Triton GEMM epilogues (train_gpt.py --fused-relu2 true; A/B lever)")
-    ap.add_argument("--attn-backend", default="auto", choices=("auto", "fa3", "fa4", "varlen"),
-                    help="attention kernels (train_gpt.py's --attn-backend)")
     ap.add_argument("--stages-only", action="store_true",
                     help="cold start and per-stage timings only (no optimizer, orthogonalizer, profile; "
                          "--cached-start still applies)")
+    ap.add_argument("train_flags", nargs="*", metavar="-- TRAIN_FLAGS",
+                    help="train_gpt.py flags for an A/B, after `--` (e.g. -- --attn-backend varlen --fp8 off)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: bench.py needs a CUDA GPU (it times the real kernels)", file=sys.stderr)
         return 2
     cache = inductor_cache_dir()
     cache_present = folder_mb(cache) > 1.0
-    args = bench_args(Path(a.data_dir), seed=1234, dynamic_seq_len=not a.static, fused_fp8_head=not a.unfused_head,
-                      attn_backend=a.attn_backend, fused_relu2=a.fused_mlp)
+    try:
+        args = bench_args(Path(a.data_dir), seed=1234, train_flags=a.train_flags)
+    except tg.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t_data = time.time()
     make_synthetic_shards(Path(a.data_dir), train_tokens=60_000_000, val_tokens=args.val_batch_size + 1)
     data_s = time.time() - t_data  # the benchmark's own synthetic data: not part of the trainer's cold start
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    trainer = build_trainer(args, out.parent)
+    trainer = tg.build_trainer(args, tg.resolve_runtime(args), out.parent / "bench_log.txt")
     t = time.time()
     trainer.warm_up_kernels()
     warm_up_s = time.time() - t
@@ -373,11 +350,10 @@ def main(argv=None) -> int:
         cuda=torch.version.cuda, python=platform.python_version(), commit=git_commit() or a.commit,
         date=datetime.date.today().isoformat(), command=" ".join([Path(sys.executable).name, *sys.argv]),
         world_size=1, data="synthetic document-structured tokens (log-normal lengths, median 600)",
-        dynamic_seq_len=args.dynamic_seq_len, fused_fp8_head=args.fused_fp8_head, fused_relu2=args.fused_relu2,
-        relu2_mm_tile=list(tg.RELU2_MM_CONFIG),
-        ce_backward_tile=list(tg.CE_BACKWARD_CONFIG),
-        matmul_params=n_params, bf16_peak_tflops=peak / 1e12,
-        attn_backend={fn: name for name, fn in tg.ATTENTION_BACKENDS.items()}[trainer.model.attn_fn], fp8=not os.environ.get("DISABLE_FP8"))
+        train_flags=a.train_flags, runtime=dataclasses.asdict(trainer.rt),
+        dynamic_seq_len=trainer.rt.dynamic_seq_len, fused_fp8_head=args.fused_fp8_head,
+        ce_backward_tile=list(args.ce_backward_tile), matmul_params=n_params, bf16_peak_tflops=peak / 1e12,
+        attn_backend=trainer.rt.attn_backend, fp8=trainer.rt.fp8)
     result["cold_start"] = cold
     result["timed_steps_recompiles"] = "none: every timed step ran under train_gpt.no_compiles_allowed()"
     result["stages"] = measure_stages(trainer, args, a.steps, n_params, peak)
@@ -393,10 +369,7 @@ def main(argv=None) -> int:
     if a.cached_start:
         tmp = out.with_name(out.stem + "_cached_start.json")
         subprocess.run([sys.executable, __file__, "--cold-start-only", "--out", str(tmp), "--data-dir", a.data_dir,
-                        "--attn-backend", a.attn_backend,
-                        *(["--static"] if a.static else []), *(["--unfused-head"] if a.unfused_head else []),
-                        *(["--fused-mlp"] if a.fused_mlp else [])],
-                       check=True)
+                        "--", *a.train_flags], check=True)
         cold["cached_s"] = json.loads(tmp.read_text())["this_process_s"]
         cold["cached_warm_up_s"] = json.loads(tmp.read_text())["warm_up_s"]
         tmp.unlink()

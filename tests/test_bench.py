@@ -54,16 +54,19 @@ def test_mfu_formula():
     assert bench.mfu(393_216 / 0.721, 114_130_944, 798e12) == pytest.approx(0.468, abs=1e-3)
 
 
-def test_stage_table_follows_the_schedule():
-    rows = bench.stage_table(tg.Hyperparameters())
-    assert rows == [("stage 1", 131072, 3), ("stage 2", 262144, 7), ("stage 3", 393216, 11),
-                    ("extension", 393216, 13)]
+def test_bench_args_are_the_trainers_flags_with_the_benchmarks_data():
+    args = bench.bench_args(Path("/tmp/bench_data"), seed=7, train_flags=["--attn-backend", "varlen", "--fp8", "off"])
+    assert (args.attn_backend, args.fp8, args.seed, args.data_path) == ("varlen", "off", 7, "/tmp/bench_data")
+    assert args.train_bs_schedule == tg.Hyperparameters().train_bs_schedule
+    with pytest.raises(tg.ConfigError, match="--orthogonalizer"):
+        bench.bench_args(Path("/tmp/bench_data"), seed=7, train_flags=["--orthogonalizer", "newton"])
 
 
 def test_format_table_lists_every_stage_and_the_comparison_with_the_reference():
-    stages = [dict(name=n, tokens_per_step=bs, windows=f"{w // 2},{w}", median_ms=ms, tokens_per_s=bs / ms * 1e3,
-                   mfu=0.5, peak_allocated_gib=20.0, reference_ms=bench.REFERENCE_H100_MS.get(i + 1))
-              for i, ((n, bs, w), ms) in enumerate(zip(bench.stage_table(tg.Hyperparameters()), (200, 400, 600, 610)))]
+    stages = [dict(name=s.name, tokens_per_step=s.batch_size, windows=f"{s.ws_short},{s.ws_long}", median_ms=ms,
+                   tokens_per_s=s.batch_size / ms * 1e3, mfu=0.5, peak_allocated_gib=20.0,
+                   reference_ms=bench.REFERENCE_H100_MS.get(i + 1))
+              for i, (s, ms) in enumerate(zip(tg.stages(tg.Hyperparameters()), (200, 400, 600, 610)))]
     result = dict(stages=stages, matmul_params=114_130_944, bf16_peak_tflops=800.0,
                   cold_start=dict(this_process_s=100.0, warm_up_s=90.0, cache_present_at_start=False,
                                   cache_mb_after=150.0, cached_s=25.0),

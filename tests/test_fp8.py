@@ -177,11 +177,11 @@ def test_fused_backward_op_fake_kernels_report_the_real_shapes_and_strides():
     logits = tg.lm_head_fp8(x.detach(), w.detach())
     lse = torch.exp(30 * torch.sigmoid(logits.float() / 7.5)).sum(-1).log()
     grad = torch.tensor(0.25)
-    real = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, tg.FP8_GRAD_SCALE)
+    real = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, tg.FP8_GRAD_SCALE, [32, 128, 4])
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
         fake = torch.ops.speedrun.softcap_ce_backward(*(mode.from_tensor(a) for a in (logits, lse, targets, grad)),
-                                                      tg.FP8_GRAD_SCALE)
+                                                      tg.FP8_GRAD_SCALE, [32, 128, 4])
     for r, f in zip(real, fake):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
     assert torch.equal(real[1].view(torch.uint8), real[0].t().contiguous().view(torch.uint8))

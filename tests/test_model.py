@@ -513,13 +513,13 @@ def test_flash_varlen_op_runs_forward_and_backward_on_meta_tensors():
 
 
 def test_fused_fp8_head_gives_the_unfused_heads_loss_and_gradients():
-    """GPT.head with use_fp8: the fused FP8LMHeadCrossEntropySum and lm_head_fp8 + softcapped CE agree exactly."""
+    """LMHead with fp8: the fused FP8LMHeadCrossEntropySum and lm_head_fp8 + softcapped CE agree exactly."""
     results = []
     for fused in (True, False):
         m = make_model(seed=21, max_seq_len=256)
         with torch.no_grad():
             m.lm_head.weight.normal_(0, 0.05)
-        m.use_fp8, m.fused_fp8_head = True, fused
+        m.lm_head.fp8, m.lm_head.fused = True, fused
         loss = m(*random_batch(256, seed=22), 1, 3, 256)
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
@@ -562,7 +562,7 @@ class _ReferenceFA4:
 
 
 def test_fa4_op_passes_the_step_window_and_scale_and_wires_its_backward(monkeypatch):
-    monkeypatch.setattr(tg, "_FA4", _ReferenceFA4)
+    monkeypatch.setattr(tg, "fa4_interface", lambda: _ReferenceFA4)
     _ReferenceFA4.calls = []
     torch.manual_seed(0)
     T, H, D = 64, 2, 8
@@ -582,7 +582,7 @@ def test_fa4_op_passes_the_step_window_and_scale_and_wires_its_backward(monkeypa
 
 def test_fa4_op_fake_matches_the_real_output_layout(monkeypatch):
     """The fake (what torch.compile traces with) gives FA4's shapes: out like q, LSE (heads, tokens) fp32."""
-    monkeypatch.setattr(tg, "_FA4", _ReferenceFA4)
+    monkeypatch.setattr(tg, "fa4_interface", lambda: _ReferenceFA4)
     from torch._subclasses.fake_tensor import FakeTensorMode
     q, k, v = (torch.randn(48, 3, 8) for _ in range(3))
     cu, params = tg.pack_cu_seqlens([48], 48, 4), attn_params(0.5, 16)
@@ -611,9 +611,8 @@ def test_fa4_backend_is_picked_by_auto_when_installed_and_keeps_its_kernel_cache
     monkeypatch.setitem(sys.modules, "kernels", None)  # FA3's hub is not installed
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
-    monkeypatch.setattr(tg, "_FA4", None)
     assert tg.resolve_attention_backend("auto", "cuda") == "fa4"
-    assert tg._FA4 is fake
+    assert tg.fa4_interface() is fake
     assert tg.os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))  # an A100: FA2 instead
     monkeypatch.setattr(tg, "varlen_available", lambda: True)

@@ -261,13 +261,9 @@ def test_kernel_configs_are_deterministic_and_overridable():
                 assert min(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) >= 16
                 if kind != "ax_plus_bx":
                     assert c["BLOCK_M"] == c["BLOCK_N"]
-    try:
-        tg.KERNEL_CONFIGS["xxt"] = dict(BLOCK_M=64, num_stages=3)
-        tg.KERNEL_CONFIGS[("xxt", 768, 3072)] = dict(BLOCK_K=128)
-        c = tg.kernel_config("xxt", 2, 768, 3072, torch.bfloat16)
-        assert (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_stages"]) == (64, 64, 128, 3)
-    finally:
-        tg.KERNEL_CONFIGS.clear()
+    tiles = {"xxt": dict(BLOCK_M=64, num_stages=3), ("xxt", 768, 3072): dict(BLOCK_K=128)}
+    c = tg.kernel_config("xxt", 2, 768, 3072, torch.bfloat16, tiles)
+    assert (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_stages"]) == (64, 64, 128, 3)
 
 
 def test_compiles_fullgraph():

@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_SH = REPO / "run.sh"
-LAUNCH_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+LAUNCH_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "WORLD_SIZE")
 
 # A shell script, not Python, because it runs several times per test and bash starts in milliseconds. One record
 # per call in STUB_LOG: fields separated by \x1f (program, the launch variables as NAME=VALUE or NAME unset, then
@@ -22,7 +22,7 @@ LAUNCH_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_D
 STUB = r"""#!/usr/bin/env bash
 {
     printf '%s\x1f' "${0##*/}"
-    for v in NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS; do
+    for v in NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS WORLD_SIZE; do
         if [ -n "${!v+set}" ]; then printf '%s=%s\x1f' "$v" "${!v}"; else printf '%s\x1f' "$v"; fi
     done
     printf '%s\x1f' "$@"
@@ -34,6 +34,9 @@ if [ "${1:-}" = -c ]; then
         *torch.version.cuda*) echo "${STUB_CUDA-13.0}" ;;
         *sys.prefix*) echo /stub/prefix ;;
     esac
+elif [ "${1:-} ${2:-}" = "train_gpt.py --check" ]; then
+    [ "${STUB_CHECK_RC:-0}" = 0 ] || echo "error: --orthogonalizer: invalid choice (see --help)" >&2
+    exit "${STUB_CHECK_RC:-0}"
 elif [ "${1:-} ${2:-}" = "-m pytest" ]; then
     echo "${STUB_PYTEST_OUT-5 passed in 0.01s}"
     exit "${STUB_PYTEST_RC:-0}"
@@ -114,6 +117,11 @@ def torchrun(n, *args):
     return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train_gpt.py", *args]
 
 
+def check(*args):
+    """The one-process pre-flight of the trainer's flags and data before torchrun starts."""
+    return ["train_gpt.py", "--check", *args]
+
+
 # ---- no GPU: one message, exit 2, before anything is installed or downloaded -------------------------------------
 
 @pytest.mark.parametrize("form", [[], ["train"], ["--data-path", "data/proxy"], ["train", "--smoke"], ["setup-gpu"]])
@@ -176,11 +184,20 @@ def test_setup_commands_take_no_arguments(box, command):
 def test_default_form_installs_downloads_then_launches(box, visible, used):
     r = box.gpus(visible).run("--seed", "7", "--orthogonalizer", "turbo")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert box.commands() == [REQS, GPU_REQS, DOWNLOAD, torchrun(used, "--seed", "7", "--orthogonalizer", "turbo")]
+    flags = ("--seed", "7", "--orthogonalizer", "turbo")
+    assert box.commands() == [REQS, GPU_REQS, DOWNLOAD, check(*flags), torchrun(used, *flags)]
+    assert box.calls()[-2]["env"].get("WORLD_SIZE") == str(used)
     launch = box.calls()[-1]
     assert launch["env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                             "NVSHMEM_DISABLE_NVLS": "1"}
+                             "NVSHMEM_DISABLE_NVLS": "1", "WORLD_SIZE": None}
     assert ("using" in r.stderr) == (visible != used)
+
+
+def test_bad_trainer_flags_stop_at_the_one_process_check_before_torchrun(box):
+    r = box.gpus(2).run("--data-path", "data/proxy", "--orthogonalizer", "newton", STUB_CHECK_RC="2")
+    assert r.returncode == 2
+    assert box.commands()[-1] == check("--data-path", "data/proxy", "--orthogonalizer", "newton")
+    assert [ln for ln in r.stderr.splitlines() if ln.strip()] == ["error: --orthogonalizer: invalid choice (see --help)"]
 
 
 def test_train_word_is_the_default_form(box):
@@ -205,7 +222,7 @@ def test_nccl_settings_from_the_environment_are_kept(box):
 def test_custom_data_path_skips_the_fineweb_download(box, args):
     r = box.gpus(1).run(*args)
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [REQS, GPU_REQS, torchrun(1, *args)]
+    assert box.commands() == [REQS, GPU_REQS, check(*args), torchrun(1, *args)]
     assert "not downloading" in r.stdout
 
 
@@ -218,7 +235,7 @@ def test_default_data_path_still_downloads(box, args):
 def test_gpu_extras_that_fail_to_install_are_skipped_with_one_line(box):
     r = box.gpus(8).run(STUB_GPU_PIP_RC="1")
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [REQS, GPU_REQS, DOWNLOAD, torchrun(8)]
+    assert box.commands() == [REQS, GPU_REQS, DOWNLOAD, check(), torchrun(8)]
     lines = [line for line in r.stdout.splitlines() if "requirements-gpu.txt" in line]
     assert len(lines) == 1 and "carrying on" in lines[0]
 
@@ -226,7 +243,7 @@ def test_gpu_extras_that_fail_to_install_are_skipped_with_one_line(box):
 def test_gpu_extras_need_cuda_13_torch(box):
     r = box.gpus(8).run(STUB_CUDA="12.8")
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [REQS, DOWNLOAD, torchrun(8)]
+    assert box.commands() == [REQS, DOWNLOAD, check(), torchrun(8)]
     assert "skipping requirements-gpu.txt" in r.stdout and "CUDA 12.8" in r.stdout
 
 
