@@ -133,6 +133,8 @@ class Hyperparameters:
     fused_fp8_head: bool = setting(True, "FP8 lm_head + softcapped cross-entropy with one fused Triton backward")
     ce_backward_tile: tuple = setting((32, 128, 4), "BLOCK_T,BLOCK_V,WARPS of the fused cross-entropy backward")
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
+    compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
+                                     "with this torch/triton/GPU, written after the warm-up when not; empty: off")
     log_dir: str = setting("logs", "folder for <run-id>.txt")
     profile_step: int = setting(-1, "profile this training step into <log-dir>/<run-id>_profile.txt; -1: none")
     fail_on_recompile: bool = setting(True, "stop if anything compiles inside the timed loop")
@@ -2555,7 +2557,73 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Traine
     return Trainer(args, rt, model, adam, muon, train_files, val_file, log)
 
 
+# A bundle of everything compiled for this script, to skip compilation on a fresh machine: PyTorch's portable cache
+# artifacts (Inductor graphs and their Triton kernels) plus the folders of kernel caches named by COMPILE_CACHE_DIRS,
+# in one zip with the versions it was made with. A bundle from other versions or GPUs is ignored, never an error.
+COMPILE_CACHE_DIRS = ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",)   # env variables naming kernel caches to carry along
+
+
+def compile_cache_key() -> dict:
+    gpu = (f"{torch.cuda.get_device_name()} sm{''.join(map(str, torch.cuda.get_device_capability()))}"
+           if torch.cuda.is_available() else "cpu")
+    return dict(torch=torch.__version__, triton=triton.__version__ if triton else None, cuda=torch.version.cuda,
+                python=f"{sys.version_info.major}.{sys.version_info.minor}", gpu=gpu)
+
+
+def load_compile_cache(path: Path) -> tuple[bool, str]:
+    """(loaded, one line for the log). Restores the kernel-cache folders whose variable is set here."""
+    import json
+    import zipfile
+    if not path.is_file():
+        return False, f"compile cache: {path} not found; it will be written after the warm-up"
+    try:
+        with zipfile.ZipFile(path) as z:
+            made_with = json.loads(z.read("key.json"))
+            here = compile_cache_key()
+            if made_with != here:
+                diff = ", ".join(f"{k} {made_with.get(k)} there vs {v} here" for k, v in here.items()
+                                 if made_with.get(k) != v)
+                return False, f"compile cache: {path} was made elsewhere ({diff}); ignored, rewritten after the warm-up"
+            torch.compiler.load_cache_artifacts(z.read("artifacts.bin"))
+            restored = 0
+            for name in z.namelist():
+                var, _, rel = name.partition("/")
+                if var in COMPILE_CACHE_DIRS and rel and os.environ.get(var):
+                    target = Path(os.environ[var]) / rel
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(z.read(name))
+                    restored += 1
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile, RuntimeError) as e:
+        return False, f"compile cache: {path} unreadable ({type(e).__name__}: {e}); ignored, rewritten after the warm-up"
+    return True, f"compile cache: loaded {path} ({path.stat().st_size / 2**20:.1f} MB, {restored} kernel-cache files)"
+
+
+def save_compile_cache(path: Path) -> str:
+    """Write the bundle atomically (rank 0, after the warm-up); returns the line for the log."""
+    import json
+    import zipfile
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return f"compile cache: nothing was compiled, {path} not written"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    files = 0
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("key.json", json.dumps(compile_cache_key()))
+        z.writestr("artifacts.bin", saved[0])
+        for var in COMPILE_CACHE_DIRS:
+            folder = Path(os.environ.get(var, "")) if os.environ.get(var) else None
+            if folder is not None and folder.is_dir():
+                for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+                    z.write(f, f"{var}/{f.relative_to(folder)}")
+                    files += 1
+    tmp.replace(path)
+    return f"compile cache: wrote {path} ({path.stat().st_size / 2**20:.1f} MB, {files} kernel-cache files)"
+
+
 def run(args: Hyperparameters) -> None:
+    cache_path = Path(args.compile_cache) if args.compile_cache else None
+    cache_loaded, cache_line = load_compile_cache(cache_path) if cache_path and not args.check else (False, "")
     rt = resolve_runtime(args)
     if args.check:
         find_data(args, rt)
@@ -2565,8 +2633,12 @@ def run(args: Hyperparameters) -> None:
     run_id = args.run_id or str(uuid.uuid4())
     trainer = build_trainer(args, rt, Path(args.log_dir) / f"{run_id}.txt")
     log = trainer.log
+    if cache_line:
+        log(cache_line)
     t_warm = time.time()
     trainer.warm_up_kernels()
+    if cache_path and not cache_loaded and rt.master:
+        log(save_compile_cache(cache_path))
     log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
         f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs)")
     result = trainer.train()

@@ -43,6 +43,27 @@ def test_help_lists_every_field(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_help_gives_each_flag_its_description_default_and_allowed_values(tmp_path):
+    r = run_script(["--help"], cwd=tmp_path, env=child_env(COLUMNS="2000"))  # no wrapping inside words
+    text = " ".join(r.stdout.split())
+    for f in dataclasses.fields(tg.Hyperparameters):
+        assert f.metadata["help"], f"{f.name} has no --help text"
+        assert " ".join(f.metadata["help"].split()) in text, f.name
+    assert "--orthogonalizer {polar,turbo}" in text and "--attn-backend {auto,fa3,fa4,varlen,reference}" in text
+    assert "unseeded, like the record (default: -1)" in text
+    assert "(default: None)" not in text
+
+
+@pytest.mark.parametrize("argv,flag", [(["--ws-schedule", "3,x"], "--ws-schedule"),
+                                       (["--seed", "one"], "--seed"),
+                                       (["--save-checkpoint", "maybe"], "--save-checkpoint"),
+                                       (["--no-such-flag"], "--no-such-flag")])
+def test_bad_flag_value_is_one_line_naming_the_flag_with_exit_2(tmp_path, argv, flag):
+    r = run_script(argv, cwd=tmp_path)
+    line = assert_one_line_error(r, flag)
+    assert "lambda" not in line and "usage:" not in r.stderr
+
+
 def test_parse_args_defaults_are_the_record():
     a = tg.parse_args([])
     assert a == tg.Hyperparameters()
@@ -159,7 +180,7 @@ def copy_data(src, dst):
 
 
 def assert_one_line_error(r, *words):
-    assert r.returncode != 0, (r.stdout, r.stderr)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, r.stderr
@@ -250,6 +271,35 @@ def test_error_unsupported_world_size(tmp_path, good_data):
     r = run_script(smoke_args(good_data, tmp_path), cwd=tmp_path,
                    env=child_env(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0"))
     assert_one_line_error(r, "world size 3")
+
+
+def test_unsupported_world_size_on_cpu_speaks_of_processes_not_gpus(tmp_path, good_data):
+    r = run_script(smoke_args(good_data, tmp_path), cwd=tmp_path, env=child_env(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0"))
+    line = assert_one_line_error(r, "world size 3", "processes")
+    assert "GPU" not in line
+
+
+def test_check_validates_settings_and_data_without_training(tmp_path, good_data):
+    r = run_script(smoke_args(good_data, tmp_path, "--check"), cwd=tmp_path, env=child_env(WORLD_SIZE="2"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("check: ok: 2 process(es) on cpu")
+    assert not (tmp_path / "logs").exists()
+    bad = run_script(smoke_args(tmp_path / "missing", tmp_path, "--check"), cwd=tmp_path)
+    assert_one_line_error(bad, "does not exist")
+
+
+def test_under_torchrun_a_bad_shard_is_reported_once_by_rank_0_and_workers_exit_2(tmp_path, good_data):
+    data = copy_data(good_data, tmp_path / "d")
+    bad = data / "fineweb_train_000001.bin"
+    bad.write_bytes(bad.read_bytes()[:-1000])
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(SCRIPT), *smoke_args(data, tmp_path)], cwd=tmp_path, env=child_env(),
+                       capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    errors = [ln for ln in out.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and str(bad) in errors[0] and "truncated" in errors[0], out[-3000:]
+    assert r.returncode != 0 and "exitcode  : 2" in out  # torchrun's own report names our exit status
+    assert not (tmp_path / "logs").exists()
 
 
 def test_error_bad_orthogonalizer(tmp_path, good_data):

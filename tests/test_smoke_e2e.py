@@ -21,6 +21,10 @@ TOTAL = 33  # 30 scheduled + 3 extension steps
 VAL_RE = re.compile(r"^step:(\d+)/33 val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(\d+\.\d{2})ms$")
 TRAIN_RE = re.compile(r"^step:(\d+)/33 train_time:(\d+)ms step_avg:(\d+\.\d{2})ms$")
 PEAK_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB$")
+SCHEDULE_RE = re.compile(r"^schedule: step (\d+) (stage \d|extension): batch (\d+) windows \((\d+), (\d+)\) "
+                         r"lr x(\d+\.\d{4}) muon momentum (\d+\.\d{4})$")
+SUMMARY_RE = re.compile(r"^summary: val_loss (\d+\.\d{4}) at step 33, train_time (\d+\.\d{3})s, step_avg (\d+\.\d{2})ms, "
+                        r"peak_memory n/a \(cpu\), target 3\.28 (reached|not reached)$")
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +79,7 @@ def test_log_header(smoke_run):
     assert lines[3].startswith("Running Triton version ")
     assert lines[4].startswith("Run config: ")
     for item in ("world_size=2", "grad_accum_steps=4", "device=cpu", "attn_backend=reference",
-                 "orthogonalizer=polar"):
+                 "orthogonalizer=polar", "fp8=0", "fused_fp8_head=0", "smoke=1", "num_iterations=33"):
         assert item in lines[4].split(), item
     if shutil.which("nvidia-smi") is None:
         assert lines[5] == "nvidia-smi: not available"
@@ -93,10 +97,12 @@ def parse_run(log: str):
     body = lines[start:]
     assert body[-1] == ""  # the file ends with a newline
     body = body[:-1]
-    # 2 ranks: the end-of-run checksum comparison sits just before the peak-memory line
-    assert body[-2] == "replica check: parameters bit-identical across 2 ranks", body[-2]
+    # 2 ranks: the end-of-run checksum comparison, the peak-memory line, then the summary
+    assert body[-3] == "replica check: parameters bit-identical across 2 ranks", body[-3]
     events = []
-    for ln in body[:-2]:
+    for ln in body[:-3]:
+        if SCHEDULE_RE.match(ln):
+            continue
         m = VAL_RE.match(ln)
         if m:
             events.append(("val", int(m[1]), float(m[2]), int(m[3]), float(m[4])))
@@ -104,7 +110,7 @@ def parse_run(log: str):
         m = TRAIN_RE.match(ln)
         assert m, f"unexpected run line: {ln!r}"
         events.append(("train", int(m[1]), None, int(m[2]), float(m[3])))
-    return events, body[-1], body
+    return events, body[-2], body
 
 
 def expected_order():
@@ -136,6 +142,22 @@ def test_val_loss_init_and_falls(smoke_run):
     assert val[0] > val[10] > val[20] > val[30]
     assert val[33] < 9.0  # a patterned corpus reaches ~7.2 in 33 steps
     assert val[33] < val[0] - 2.0
+
+
+def test_log_ends_with_one_summary_line_matching_the_final_validation(smoke_run):
+    events, _, body = parse_run(smoke_run["log"])
+    m = SUMMARY_RE.match(body[-1])
+    assert m, body[-1]
+    final = [e for e in events if e[0] == "val"][-1]
+    assert float(m[1]) == final[2] and round(float(m[2]) * 1000) == final[3]
+    assert m[4] == "not reached"  # a 33-step smoke run is far from 3.28
+
+
+def test_schedule_line_at_each_stage_switch(smoke_run):
+    lines = [SCHEDULE_RE.match(ln) for ln in header_and_run_lines(smoke_run["log"])]
+    got = [(int(m[1]), m[2], int(m[3]), (int(m[4]), int(m[5]))) for m in lines if m]
+    assert got == [(0, "stage 1", 1024, (1, 3)), (10, "stage 2", 2048, (3, 7)), (20, "stage 3", 3072, (5, 11)),
+                   (30, "extension", 3072, (6, 13))]
 
 
 def test_run_lines_echoed_to_console(smoke_run):

@@ -1,0 +1,74 @@
+"""--compile-cache: a portable bundle of compiled graphs (and kernel-cache folders) that a fresh machine loads
+instead of compiling, and that is ignored, with one log line, whenever it does not fit."""
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import train_gpt as tg
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROCESS = r"""
+import json, sys, torch
+from pathlib import Path
+from torch._dynamo.utils import counters
+import train_gpt as tg
+mode, bundle = sys.argv[1], Path(sys.argv[2])
+loaded, line = tg.load_compile_cache(bundle) if mode == "load" else (False, "")
+f = torch.compile(lambda x: (x.sin() * 3 + x.cos()).sum(), dynamic=False)
+f(torch.randn(32))
+saved = tg.save_compile_cache(bundle) if mode == "save" else ""
+print("RESULT=" + json.dumps(dict(loaded=loaded, line=line, saved=saved, hits=counters["inductor"]["fxgraph_cache_hit"],
+                                  misses=counters["inductor"]["fxgraph_cache_miss"])))
+"""
+
+
+def run_process(mode, bundle, inductor_dir, kernel_dir):
+    env = dict(os.environ, PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
+               FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(kernel_dir), PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-c", PROCESS, mode, str(bundle)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT="))[len("RESULT="):])
+
+
+@pytest.mark.slow
+def test_bundle_from_one_machine_skips_compilation_on_a_fresh_one(tmp_path):
+    bundle = tmp_path / "bundle.zip"
+    kernels = tmp_path / "fa4_a"
+    (kernels / "sub").mkdir(parents=True)
+    (kernels / "sub" / "kernel.o").write_bytes(b"compiled kernel")
+    first = run_process("save", bundle, tmp_path / "inductor_a", kernels)
+    assert first["misses"] >= 1 and "wrote" in first["saved"] and "1 kernel-cache files" in first["saved"]
+    # a fresh machine: empty Inductor cache, empty kernel-cache folder
+    second = run_process("load", bundle, tmp_path / "inductor_b", tmp_path / "fa4_b")
+    assert second["loaded"] and second["line"].startswith(f"compile cache: loaded {bundle}")
+    assert second["hits"] >= 1 and second["misses"] == 0
+    assert (tmp_path / "fa4_b" / "sub" / "kernel.o").read_bytes() == b"compiled kernel"
+
+
+def test_missing_bundle_is_reported_and_will_be_written(tmp_path):
+    loaded, line = tg.load_compile_cache(tmp_path / "none.zip")
+    assert not loaded and "not found" in line and "written after the warm-up" in line
+
+
+def test_corrupt_bundle_is_ignored_with_one_line(tmp_path):
+    bad = tmp_path / "bad.zip"
+    bad.write_bytes(b"not a zip file")
+    loaded, line = tg.load_compile_cache(bad)
+    assert not loaded and "unreadable" in line and "\n" not in line
+
+
+def test_bundle_from_other_versions_is_ignored_naming_the_difference(tmp_path):
+    other = tmp_path / "other.zip"
+    key = dict(tg.compile_cache_key(), torch="2.99.0", gpu="NVIDIA B200 sm100")
+    with zipfile.ZipFile(other, "w") as z:
+        z.writestr("key.json", json.dumps(key))
+        z.writestr("artifacts.bin", b"\x00")
+    loaded, line = tg.load_compile_cache(other)
+    assert not loaded and "torch 2.99.0 there" in line and "NVIDIA B200 sm100 there" in line and "ignored" in line
