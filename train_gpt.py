@@ -760,6 +760,12 @@ def varlen_available() -> bool:
         return False
 
 
+def fa4_on_this_gpu():
+    if torch.cuda.get_device_capability()[0] < 9:
+        raise RuntimeError("its kernels need compute capability 9.0 or newer (Hopper, Blackwell)")
+    return fa4_interface()
+
+
 def resolve_attention_backend(requested: str, device_type: str) -> str:
     """auto: FA3 from the `kernels` hub when installed and reachable (the record's choice), then FlashAttention-4
     from PyPI when installed on a Hopper or Blackwell GPU, then PyTorch's FA2 varlen kernels, then the reference.
@@ -768,24 +774,16 @@ def resolve_attention_backend(requested: str, device_type: str) -> str:
         if requested not in ("auto", "reference"):
             raise ConfigError(f"--attn-backend {requested} needs a CUDA GPU; use --attn-backend reference on the CPU")
         return "reference"
-    if requested in ("auto", "fa3"):
-        try:
-            fa3_interface()
-            return "fa3"
-        except Exception as e:
-            if requested == "fa3":
-                raise ConfigError(f"--attn-backend fa3 unavailable ({type(e).__name__}: {e}); "
-                                  "pip install kernels (needs network) or use --attn-backend varlen") from None
-    if requested in ("auto", "fa4"):
-        try:
-            if torch.cuda.get_device_capability()[0] < 9:
-                raise RuntimeError("its kernels need compute capability 9.0 or newer (Hopper, Blackwell)")
-            fa4_interface()
-            return "fa4"
-        except Exception as e:
-            if requested == "fa4":
-                raise ConfigError(f"--attn-backend fa4 unavailable ({type(e).__name__}: {e}); "
-                                  "pip install flash-attn-4 (Hopper or Blackwell) or use --attn-backend varlen") from None
+    for name, load, install in (("fa3", fa3_interface, "pip install kernels (needs network)"),
+                                ("fa4", fa4_on_this_gpu, "pip install flash-attn-4 (Hopper or Blackwell)")):
+        if requested in ("auto", name):
+            try:
+                load()
+                return name
+            except Exception as e:
+                if requested == name:
+                    raise ConfigError(f"--attn-backend {name} unavailable ({type(e).__name__}: {e}); {install} "
+                                      "or use --attn-backend varlen") from None
     if requested in ("auto", "varlen"):
         if varlen_available():
             return "varlen"

@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from train_gpt import ShardError, read_shard_header  # noqa: E402  (the one shard reader)
+from data.fineweb import out_dir_problem  # noqa: E402  (the one --out-dir check)
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
 MAX_TRAIN_SHARDS = 103
@@ -37,21 +38,6 @@ def shard_problem(path: Path):
         return None
     except ShardError as e:
         return str(e)
-
-
-def out_dir_problem(path: Path):
-    """None if `path` is a folder or can be made one, else a one-line reason; checked before anything is created
-    (mkdir on an existing file would otherwise end in a FileExistsError traceback)."""
-    if os.path.lexists(path) and not path.is_dir():  # a file, or a symlink to nothing
-        return f"--out-dir {path} is an existing file, not a folder; remove it or choose another --out-dir"
-    existing = path
-    while not os.path.lexists(existing):
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"--out-dir {path} cannot be created because {existing} is a file; choose another --out-dir"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"--out-dir {path}: no permission to write in {existing}; choose another --out-dir"
-    return None
 
 
 def one_line(exc: BaseException) -> str:
