@@ -273,7 +273,8 @@ def run_problems(runs) -> list[str]:
     """record_problems of each run, from its log (upstream logs have no Run config: steps and nvidia-smi)."""
     out = []
     for r in runs:
-        for p in record_problems(r.steps == SMOKE_STEPS, r.device, r.n_procs, r.steps, r.config.get("data_path"),
+        smoke = r.config.get("smoke") == "1" if "smoke" in r.config else r.steps == SMOKE_STEPS  # older logs: steps
+        for p in record_problems(smoke, r.device, r.n_procs, r.steps, r.config.get("data_path"),
                                  r.config.get("train_epochs")):
             out += [p] if p not in out else []
     return out

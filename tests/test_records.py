@@ -596,6 +596,8 @@ def test_record_problems_from_logs():
                                                               "2 epochs over the data"]
     full = make_log(total=2160, val_every=500, config="world_size=8 device=cuda data_path=data/fineweb10B")
     assert rc.run_problems([rc.parse_text(full, "b.txt")]) == []
+    smoke_flag = make_log(total=2160, val_every=500, config="world_size=8 device=cuda smoke=1")  # the Run config says
+    assert rc.run_problems([rc.parse_text(smoke_flag, "s.txt")]) == ["smoke preset"]
     bare = make_log(total=2160, val_every=500, config="x=1")  # no world size, no nvidia-smi table
     assert rc.run_problems([rc.parse_text(bare, "c.txt")]) == ["GPU count unknown"]
     # the moved proxy runs would be refused as records
