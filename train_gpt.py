@@ -1148,7 +1148,8 @@ def normuon_second_moment(v: Tensor, second_moment: Tensor, beta2: float, dim: i
     each matrix keeps its Frobenius norm.
     """
     vf = v.float()
-    # fp32 arithmetic, one rounding into the buffer's dtype; the update then uses the stored (rounded) value
+    # fp32 arithmetic, one rounding into the buffer's dtype. Eagerly the update then reads the stored (rounded)
+    # value; compiled, Inductor may use the unrounded one, as it does with the record's compiled lines.
     second_moment.copy_(second_moment.float().lerp(vf.square().mean(dim=dim, keepdim=True), 1.0 - beta2))
     vn = vf * second_moment.float().clamp_min(1e-10).rsqrt()
     scale = vf.norm(dim=(-2, -1), keepdim=True) / vn.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10)
