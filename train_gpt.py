@@ -2408,6 +2408,7 @@ class Runtime:
     rank: int
     local_rank: int
     world_size: int
+    launched: bool            # started by torchrun (RANK set): a process group even for one process
     grad_accum_steps: int     # micro-batches per step: 8 // world_size, so the global batch never changes
     attn_backend: str         # a key of ATTENTION_BACKENDS
     compile: bool
@@ -2462,7 +2463,7 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
     if use_compile and backend == "reference":
         raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
     return Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
-                   world_size=world_size, grad_accum_steps=grad_accum_steps_for(world_size), attn_backend=backend,
+                   world_size=world_size, launched="RANK" in env, grad_accum_steps=grad_accum_steps_for(world_size), attn_backend=backend,
                    compile=use_compile, fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
                    dynamic_seq_len=use_compile and args.dynamic_seq_len)
 
@@ -2505,7 +2506,7 @@ def setup_process_group(rt: Runtime):
         torch.cuda.set_device(rt.local_rank)
         # Works around a first-backward bug seen on some systems (the record does the same).
         torch.zeros(1, device="cuda", requires_grad=True).sum().backward()
-    if rt.world_size > 1 or "RANK" in os.environ:  # launched by torchrun
+    if rt.world_size > 1 or rt.launched:
         if rt.device == "cuda":
             dist.init_process_group("nccl", device_id=torch.device("cuda", rt.local_rank))
         else:
@@ -2515,8 +2516,8 @@ def setup_process_group(rt: Runtime):
 
 def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
     """The model (rank 0's initialisation on every rank, compiled per region) and its two optimizers."""
-    tokens_per_rank = rt.grad_accum_steps * rt.world_size
-    max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // tokens_per_rank
+    micro_batches = rt.grad_accum_steps * rt.world_size  # per step, over all ranks
+    max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
                 dynamic_seq_len=rt.dynamic_seq_len).to(rt.device)
     if dist.is_initialized():

@@ -4,7 +4,7 @@
 
 Each DIR holds training logs (one per run, e.g. one per seed). Prints mean, std and the runs' values at every
 validation step, and with two sets the difference of the means and Welch's t-test p-value per step: the
-"same loss at the same step" check of issue 4 (an optimisation must not move these beyond run-to-run noise).
+"same loss at the same step" check (an optimisation must not move these beyond run-to-run noise).
 """
 import argparse
 import json

@@ -1,6 +1,6 @@
 """Tiny speedrun-format token shards for tests.
 
-Format (SPEC §2.1): a header of 256 little-endian int32 (magic 20240520, version 1, token count, zeros),
+Format (the speedrun's shard format): a header of 256 little-endian int32 (magic 20240520, version 1, token count, zeros),
 then the tokens as little-endian uint16. Every document is preceded by the BOS token 50256.
 
     write_shard(path, tokens)                          one shard from a token array

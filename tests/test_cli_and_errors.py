@@ -1,4 +1,4 @@
-"""Command line (SPEC: every Hyperparameters field is a flag), import hygiene, and one-line user errors."""
+"""Command line (every Hyperparameters field is a flag), import hygiene, and one-line user errors."""
 import dataclasses
 import os
 import subprocess
@@ -110,6 +110,13 @@ def test_smoke_preset_then_explicit_override_wins():
     (["--device", "tpu"], "--device"),
     (["--train-epochs", "0"], "--train-epochs"),
     (["--ws-schedule", "3,7"], "--ws-schedule"),
+    # schedules that cannot work
+    (["--num-scheduled-iterations", "2"], "--num-scheduled-iterations"),
+    (["--num-scheduled-iterations", "-5"], "--num-scheduled-iterations"),
+    (["--num-extension-iterations", "-1"], "--num-extension-iterations"),
+    (["--lr-plateau-starts", "0,0.66,0.33"], "--lr-plateau-starts"),
+    (["--lr-plateau-starts", "0.1,0.33,0.66"], "--lr-plateau-starts"),
+    (["--muon-momentum-warmup", "0.85,0.95,-3"], "--muon-momentum-warmup"),
 ])
 def test_validate_args_errors(argv, words):
     with pytest.raises(tg.ConfigError, match=words):

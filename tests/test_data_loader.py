@@ -1,4 +1,4 @@
-"""Data loading (SPEC §2.1, §3): shard reader, BOSFinder, distributed_data_generator, validation_batches."""
+"""Data loading: shard reader, BOSFinder, distributed_data_generator, validation_batches."""
 import numpy as np
 import pytest
 import torch
@@ -8,7 +8,7 @@ from proxy_shards import BOS, build_shards, flatten, synthetic_documents, write_
 
 
 # ----------------------------------------------------------------------------------------------------
-# an independent reference of SPEC §3.2, used to check the loader batch by batch
+# an independent reference of the record's BOS-aligned batching, used to check the loader batch by batch
 # ----------------------------------------------------------------------------------------------------
 
 def ref_next_batch(tokens: np.ndarray, cursor: int, L: int, msl: int, W: int):

@@ -1,4 +1,4 @@
-"""Model (SPEC §4): init loss, YaRN, rotary, reference attention, parameter table, layer map, gradients."""
+"""Model: init loss, YaRN, rotary, reference attention, parameter table, layer map, gradients."""
 import math
 
 import pytest
@@ -52,7 +52,7 @@ def test_init_loss_train_is_sum(model):
     model.train()
     with torch.no_grad():
         loss = model(inputs, targets, cu, 1, 3, 256)
-    # Training keeps bf16 logits (SPEC §4.3 step 9) but sums the per-token losses in fp32
+    # Training keeps bf16 logits (as the record does) but sums the per-token losses in fp32
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(T * math.log(VOCAB_PADDED), rel=1e-5)
     assert loss.float().item() > 100  # clearly a sum, not a mean
@@ -139,7 +139,7 @@ def test_rotary_zero_frequency_half_unchanged_and_norm_preserved():
 
 
 def test_rotary_direction():
-    # y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos (SPEC §4.5)
+    # y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos (half-truncated rotary)
     y = tg.Yarn(8, 4)
     x = torch.zeros(4, 1, 8)
     x[:, 0, 0] = 1.0  # x1 of pair 0 (frequency 1)
@@ -208,7 +208,7 @@ def test_attention_reference_no_cross_document_leak():
 
 
 # ----------------------------------------------------------------------------------------------------
-# parameter table (SPEC §4.2 with Δ168), scalars (§4.9), layer map (§4.1)
+# the record's parameter table, scalars layout and layer map
 # ----------------------------------------------------------------------------------------------------
 
 def test_layer_map(model):
@@ -245,7 +245,7 @@ def test_parameter_table(model):
 
 
 def test_parameter_table_full_size_counts():
-    # SPEC §4.2 counts at the record's dims, built on the meta device (no memory)
+    # the record's parameter counts at its dims, built on the meta device (no memory)
     with torch.device("meta"):
         m = tg.GPT(tg.Hyperparameters(), max_seq_len=16, world_size=8)
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
@@ -273,7 +273,7 @@ def test_scalars_init(model):
     s = model.scalars.detach()
     assert torch.all(s[0:12] == -1.5)
     assert torch.allclose(s[12:36].view(12, 2), torch.tensor([1.1, 0.0]).expand(12, 2))
-    assert torch.allclose(s[36:60].view(12, 2), torch.tensor([0.5, 1.0]).expand(12, 2))  # Δ168
+    assert torch.allclose(s[36:60].view(12, 2), torch.tensor([0.5, 1.0]).expand(12, 2))  # SA lambdas (0.5, 1.0), as in the record
     assert s[60].item() == 0.0 and s[61].item() == 0.5
 
 

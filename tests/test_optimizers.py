@@ -256,7 +256,7 @@ def test_lr_factor_record_shapes():
 def test_reduce_dim_rules():
     assert tg.normuon_reduce_dim("attn", (3072, 768)) == -1
     assert tg.normuon_reduce_dim("mlp", (3072, 768)) == -1
-    assert tg.normuon_reduce_dim("attn_gate", (6, 12)) == -1    # gates special-cased (Δ168)
+    assert tg.normuon_reduce_dim("attn_gate", (6, 12)) == -1    # gates special-cased, as in the record
     assert tg.normuon_reduce_dim("smear_gate", (1, 12)) == -1
     assert tg.normuon_reduce_dim("mlp", (768, 3072)) == -2      # wide non-gate: per column
 
@@ -308,7 +308,7 @@ def test_normuon_first_step_by_hand(label, shape, lr_mul, factor):
     u = (1 - BETA) * g + BETA * (1 - BETA) * g
     u = u.view(4, shape[1], shape[1]) if label == "attn" else u.unsqueeze(0)
     v = tg.polar_express(u).float()
-    s = (1 - BETA2) * v.square().mean(-1, keepdim=True)           # Δ168: per row for every label here
+    s = (1 - BETA2) * v.square().mean(-1, keepdim=True)           # per row for every label here, as in the record
     vn = v / s.sqrt()
     vn = (vn * v.norm(dim=(-2, -1), keepdim=True) / vn.norm(dim=(-2, -1), keepdim=True)).reshape(shape)
     if label == "smear_gate":                                      # one row: NorMuon is a no-op

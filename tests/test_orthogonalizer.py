@@ -1,4 +1,4 @@
-"""Polar Express / Turbo-Muon orthogonalization (SPEC §6.2, §6.4), CPU path, against the float64 SVD polar factor.
+"""Polar Express / Turbo-Muon orthogonalization, CPU path, against the float64 SVD polar factor.
 
 Polar Express does not return U Vᵀ exactly: its last (cushioned, eps = 2 %) polynomial leaves every singular value
 it has converged in a band around 1 (measured [0.859, 1.141]), and singular values far below l = 1e-3 (relative to

@@ -156,7 +156,7 @@ def test_pvalue_ten_runs_matches_scipy(tmp_path, capsys):
     assert "10 finished run(s), 0 skipped" in out
     assert f"mean val_loss < 3.28): {expected:.4g}" in out
     assert "0.002439" in out
-    assert "3.2777" in out and "131.2106" in out  # means (SPEC §9)
+    assert "3.2777" in out and "131.2106" in out  # means of the upstream record's published runs
     assert "0.0660" in out  # std of times, ddof=1
 
 
@@ -192,7 +192,7 @@ def test_runs_needed_reported_and_na(tmp_path, capsys):
     code, out, _ = cli(capsys, "summary", tmp_path / "base")
     k = rc.runs_needed(float(np.mean(BASE_LOSSES)), float(np.std(BASE_LOSSES, ddof=1)), 3.28)
     assert f"runs needed for p < 0.01 at this mean/std: {k}" in out
-    assert "0.06323" in out  # SPEC §9 baseline p
+    assert "0.06323" in out  # the upstream baseline's published p
 
 
 def test_welch_matches_scipy():

@@ -1,8 +1,8 @@
 """Schedules: the record's published values at the full length, and the record's formulas at every length.
 
-The record's formulas are written out here independently of train_gpt.py (from its published behaviour: SPEC's
-schedule section), so a re-implementation that agrees only at 2120+40 steps fails at the short lengths people
-use to test ideas.
+The record's formulas are written out here independently of train_gpt.py (from its published behaviour), so a
+re-implementation that agrees only at 2120+40 steps fails at the short lengths people use to test ideas.
+Schedules that cannot work are refused by validate_args (tests/test_cli_and_errors.py).
 """
 import pytest
 
@@ -159,20 +159,7 @@ def test_smoke_preset_schedule():
     assert [tg.get_ws(k, s) for k in (0, 10, 20, 30)] == [(1, 3), (3, 7), (5, 11), (6, 13)]
 
 
-# ---- schedules that cannot work, and short ones that can ------------------------------------------------------
-
-@pytest.mark.parametrize("argv,flag", [
-    (["--num-scheduled-iterations", "2"], "--num-scheduled-iterations"),
-    (["--num-scheduled-iterations", "-5"], "--num-scheduled-iterations"),
-    (["--num-extension-iterations", "-1"], "--num-extension-iterations"),
-    (["--lr-plateau-starts", "0,0.66,0.33"], "--lr-plateau-starts"),
-    (["--lr-plateau-starts", "0.1,0.33,0.66"], "--lr-plateau-starts"),
-    (["--muon-momentum-warmup", "0.85,0.95,-3"], "--muon-momentum-warmup"),
-])
-def test_impossible_schedule_is_refused_naming_the_flag(argv, flag):
-    with pytest.raises(tg.ConfigError, match=flag):
-        tg.parse_args(argv)
-
+# ---- short schedules log what they do at each stage switch ------------------------------------------------------
 
 def test_schedule_line_names_stage_windows_lr_and_momentum():
     a = args_for(90, 6)

@@ -1,4 +1,4 @@
-"""End to end: the --smoke preset on 2 CPU processes under torchrun, checked line by line (SPEC §8.4).
+"""End to end: the --smoke preset on 2 CPU processes under torchrun, checked line by line against the record's log format.
 
 One run per test session (module-scoped fixture); every test reads its results.
 """
