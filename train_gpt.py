@@ -36,10 +36,12 @@ import copy
 import dataclasses
 import functools
 import gc
+import getpass
 import glob
 import math
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -132,6 +134,8 @@ class Hyperparameters:
     fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA", ("auto", "on", "off"))
     fused_fp8_head: bool = setting(True, "FP8 lm_head + softcapped cross-entropy with one fused Triton backward")
     ce_backward_tile: tuple = setting((32, 128, 4), "BLOCK_T,BLOCK_V,WARPS of the fused cross-entropy backward")
+    mlp_kernel: str = setting("auto", "ReLU² MLP kernels; auto: quack's fused GEMM+activation when quack-kernels "
+                                      "imports on a Hopper/Blackwell GPU, else Inductor's", ("auto", "inductor", "quack"))
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
                                      "with this torch/triton/GPU, written after the warm-up when not; empty: off")
@@ -1561,8 +1565,85 @@ class CausalSelfAttention(nn.Module):
         return F.linear(y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
 
 
+# The ReLU² MLP, out = relu(x w_fcᵀ)² w_proj, has two implementations. Inductor's: cuBLAS GEMMs with ReLU² (and
+# in the backward its derivative) as separate memory-bound passes over the (T, 4d) activation. quack's
+# (quack-kernels, Tri Dao et al., CuTe DSL): the activation rides in the GEMM epilogues, so the forward GEMM writes
+# the pre-activation and ReLU² in one pass and the backward's first GEMM multiplies by the derivative and
+# recomputes ReLU² for the weight gradient in the same pass. An opaque custom op to Inductor; the weight-gradient
+# GEMMs stay on cuBLAS.
+MLP_KERNELS = ("inductor", "quack")
+
+
+@functools.cache
+def quack_gemm():
+    """quack.gemm_interface (PyPI quack-kernels), imported on first use."""
+    import quack.gemm_interface as gemm_interface
+    return gemm_interface
+
+
+def quack_on_this_gpu():
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        raise RuntimeError("its GEMM kernels need compute capability 9.x or 10.x (Hopper, Blackwell)")
+    return quack_gemm()
+
+
+@torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
+def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
+    """(relu(x w_fcᵀ)² w_proj, the pre-activation x w_fcᵀ) for x (T, d) and w_fc, w_proj (4d, d), all bf16."""
+    pre, h = quack_gemm().gemm_act(x, w_fc.mT, activation="relu_sq", tuned=False)
+    return h @ w_proj, pre
+
+
+@relu2_mlp.register_fake
+def _(x, w_fc, w_proj):
+    return x.new_empty(x.size(0), w_proj.size(1)), x.new_empty(x.size(0), w_fc.size(0))
+
+
+@torch.library.custom_op("speedrun::relu2_mlp_backward", mutates_args=())
+def relu2_mlp_backward(grad: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor,
+                       pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw_fc, dw_proj). One fused GEMM gives d(pre) = (grad w_projᵀ)·2relu(pre) and h = relu(pre)²."""
+    grad = grad.contiguous()
+    dpre, h = quack_gemm().gemm_dact(grad, w_proj.mT, pre, activation="relu_sq", tuned=False)
+    return dpre @ w_fc, dpre.mT @ x, h.mT @ grad
+
+
+@relu2_mlp_backward.register_fake
+def _(grad, x, w_fc, w_proj, pre):
+    return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
+
+
+def _relu2_mlp_setup_context(ctx, inputs, output):
+    x, w_fc, w_proj = inputs
+    ctx.save_for_backward(x, w_fc, w_proj, output[1])
+
+
+def _relu2_mlp_backward_rule(ctx, grad_out, _grad_pre):
+    return torch.ops.speedrun.relu2_mlp_backward(grad_out, *ctx.saved_tensors)
+
+
+relu2_mlp.register_autograd(_relu2_mlp_backward_rule, setup_context=_relu2_mlp_setup_context)
+
+
+def resolve_mlp_kernel(requested: str, device_type: str) -> str:
+    """auto: quack when quack-kernels imports on a Hopper or Blackwell GPU, else Inductor's. An explicit quack
+    that cannot work is an error."""
+    if requested == "inductor":
+        return "inductor"
+    try:
+        if device_type != "cuda":
+            raise RuntimeError("it needs a CUDA GPU")
+        quack_on_this_gpu()
+        return "quack"
+    except Exception as e:
+        if requested == "quack":
+            raise ConfigError(f"--mlp-kernel quack unavailable ({type(e).__name__}: {e}); pip install "
+                              "quack-kernels (Hopper or Blackwell) or use --mlp-kernel inductor") from None
+    return "inductor"
+
+
 class MLP(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, kernel: str = "inductor"):
         super().__init__()
         # Both stored (4d, d): h = x @ c_fc.T, out = h @ c_proj (same function as the untransposed record).
         self.c_fc = tag(nn.Parameter(torch.empty(4 * dim, dim)), "mlp", lr_mul=1.0)
@@ -1570,17 +1651,20 @@ class MLP(nn.Module):
         bound = math.sqrt(3) * 0.5 * dim ** -0.5
         with torch.no_grad():
             self.c_fc.uniform_(-bound, bound)
+        self.kernel = kernel  # one of MLP_KERNELS
 
     def forward(self, x):
+        if self.kernel == "quack":
+            return torch.ops.speedrun.relu2_mlp(x, self.c_fc.type_as(x), self.c_proj.type_as(x))[0]
         h = F.relu(F.linear(x, self.c_fc.type_as(x))).square()
         return h @ self.c_proj.type_as(x)
 
 
 class Block(nn.Module):
-    def __init__(self, layer: int, dim: int, num_heads: int, head_dim: int):
+    def __init__(self, layer: int, dim: int, num_heads: int, head_dim: int, mlp_kernel: str = "inductor"):
         super().__init__()
         self.attn = CausalSelfAttention(dim, num_heads, head_dim) if layer not in GPT.NO_ATTENTION else None
-        self.mlp = MLP(dim) if layer not in GPT.NO_MLP else None
+        self.mlp = MLP(dim, mlp_kernel) if layer not in GPT.NO_MLP else None
 
 
 class GPT(nn.Module):
@@ -1593,10 +1677,10 @@ class GPT(nn.Module):
     NUM_SCALARS = 62               # 12 skip weights, 12x2 block lambdas, 12x2 SA lambdas, smear, backout
 
     def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1, attn_backend: str = "reference",
-                 fp8: bool = False, dynamic_seq_len: bool = False):
+                 fp8: bool = False, dynamic_seq_len: bool = False, mlp_kernel: str = "inductor"):
         """max_seq_len: longest packed micro-batch (rotary tables); world_size: pads the scalars for DistAdam;
         attn_backend: a key of ATTENTION_BACKENDS; fp8: FP8 lm_head in training; dynamic_seq_len: mark the token
-        dimension dynamic so one compiled graph serves every batch size."""
+        dimension dynamic so one compiled graph serves every batch size; mlp_kernel: one of MLP_KERNELS."""
         super().__init__()
         d, L = args.model_dim, args.num_layers
         self.vocab_size = next_multiple_of(args.vocab_size, 128)
@@ -1605,7 +1689,7 @@ class GPT(nn.Module):
         self.smear_gate = nn.Linear(12, 1, bias=False)
         nn.init.zeros_(self.smear_gate.weight)
         self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
-        self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim) for i in range(L)])
+        self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim, mlp_kernel) for i in range(L)])
         self.yarn = Yarn(args.head_dim, max_seq_len)
         self.lm_head = LMHead(d, self.vocab_size, fp8, args.fused_fp8_head, args.ce_backward_tile)
         for m in self.modules():  # embeddings, gates and lm_head live in bf16; the big matrices stay fp32
@@ -2414,6 +2498,7 @@ class Runtime:
     compile: bool
     fp8: bool
     dynamic_seq_len: bool     # one compiled graph for every batch size
+    mlp_kernel: str = "inductor"   # one of MLP_KERNELS
 
     @property
     def master(self) -> bool:
@@ -2425,7 +2510,8 @@ class Runtime:
         return (f'Run config: world_size={self.world_size} grad_accum_steps={self.grad_accum_steps} '
                 f'device={self.device} attn_backend={self.attn_backend} orthogonalizer={args.orthogonalizer} '
                 f'fp8={int(self.fp8)} compile={int(self.compile)} dynamic_seq_len={int(self.dynamic_seq_len)} '
-                f'fused_fp8_head={int(self.fp8 and args.fused_fp8_head)} data_path={args.data_path} '
+                f'fused_fp8_head={int(self.fp8 and args.fused_fp8_head)} mlp_kernel={self.mlp_kernel} '
+                f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
 
@@ -2465,7 +2551,8 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
     return Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
                    world_size=world_size, launched="RANK" in env, grad_accum_steps=grad_accum_steps_for(world_size), attn_backend=backend,
                    compile=use_compile, fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
-                   dynamic_seq_len=use_compile and args.dynamic_seq_len)
+                   dynamic_seq_len=use_compile and args.dynamic_seq_len,
+                   mlp_kernel=resolve_mlp_kernel(args.mlp_kernel, device))
 
 
 def find_data(args: Hyperparameters, rt: Runtime):
@@ -2519,7 +2606,7 @@ def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
     micro_batches = rt.grad_accum_steps * rt.world_size  # per step, over all ranks
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
-                dynamic_seq_len=rt.dynamic_seq_len).to(rt.device)
+                dynamic_seq_len=rt.dynamic_seq_len, mlp_kernel=rt.mlp_kernel).to(rt.device)
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)
@@ -2560,7 +2647,7 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Traine
 # A bundle of everything compiled for this script, to skip compilation on a fresh machine: PyTorch's portable cache
 # artifacts (Inductor graphs and their Triton kernels) plus the folders of kernel caches named by COMPILE_CACHE_DIRS,
 # in one zip with the versions it was made with. A bundle from other versions or GPUs is ignored, never an error.
-COMPILE_CACHE_DIRS = ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",)   # env variables naming kernel caches to carry along
+COMPILE_CACHE_DIRS = ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR")  # kernel caches to carry along
 
 
 def compile_cache_key() -> dict:
@@ -2623,6 +2710,8 @@ def save_compile_cache(path: Path) -> str:
 
 def run(args: Hyperparameters) -> None:
     cache_path = Path(args.compile_cache) if args.compile_cache else None
+    # quack reads its kernel-cache folder at import; name its default so the bundle can carry it.
+    os.environ.setdefault("QUACK_CACHE_DIR", str(Path(tempfile.gettempdir()) / getpass.getuser() / "quack_cache"))
     cache_loaded, cache_line = load_compile_cache(cache_path) if cache_path and not args.check else (False, "")
     rt = resolve_runtime(args)
     if args.check:

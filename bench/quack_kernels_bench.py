@@ -1,0 +1,219 @@
+"""quack-kernels against the trainer's own kernels, on the trainer's shapes (GPU; one JSON, one table).
+
+    python bench/quack_kernels_bench.py --out quack.json [--commit SHA]
+
+Answers, kernel by kernel, whether quack-kernels (CuTe DSL) is faster than what train_gpt.py runs today, and
+whether its numbers agree within bf16 rounding:
+  import   does quack import and run here (torch, triton, nvidia-cutlass-dsl versions recorded either way)
+  mlp      the ReLU² MLP forward+backward per micro-batch (T x 768 -> T x 3072 -> T x 768, T = 16k/32k/48k):
+           Inductor (torch.compile of the record's two lines: cuBLAS GEMMs + fused pointwise passes) against
+           train_gpt's speedrun::relu2_mlp op (quack gemm_act / gemm_dact with the relu_sq epilogue); errors of
+           both against an fp32 computation from the same bf16 inputs
+  gemm     the two fused GEMMs alone, untuned (what the op runs) and autotuned, against cuBLAS without the
+           activation: what the epilogue costs
+  gram     Polar Express's symmetric products on the NorMuon stacks (40 x 768 x 768, 22 x 768 x 3072):
+           our Triton xxt / ba_plus_cAA against quack gemm_symmetric and torch.bmm
+  rmsnorm  the trunk's weightless RMS norm (T x 768) forward+backward: Inductor against quack's rmsnorm
+Times are medians of CUDA-event timings (triton.testing.do_bench). Each section that fails records its error.
+"""
+import argparse
+import datetime
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_gpt as tg  # noqa: E402
+
+D = 768
+TOKENS = (16384, 32768, 49152)
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def rel_err(got, ref) -> float:
+    """max |got - ref| / max |ref|: the error in units of the tensor's scale."""
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
+
+
+def versions() -> dict:
+    out = dict(torch=torch.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(),
+               capability=".".join(map(str, torch.cuda.get_device_capability())))
+    for name in ("triton", "quack", "cutlass", "flash_attn"):
+        try:
+            out[name] = getattr(__import__(name), "__version__", "?")
+        except Exception as e:
+            out[name] = f"not importable ({type(e).__name__})"
+    return out
+
+
+def mlp_reference(x, w_fc, w_proj, grad):
+    """fp32 from the same bf16 inputs: out, dx, dw_fc, dw_proj."""
+    xf, wf, wp, gf = (t.float() for t in (x, w_fc, w_proj, grad))
+    pre = xf @ wf.T
+    h = F.relu(pre).square()
+    dpre = (gf @ wp.T) * 2 * F.relu(pre)
+    return h @ wp, dpre @ wf, dpre.T @ xf, h.T @ gf
+
+
+def inductor_mlp(x, w_fc, w_proj):
+    return F.relu(F.linear(x, w_fc)).square() @ w_proj
+
+
+def quack_mlp(x, w_fc, w_proj):
+    return torch.ops.speedrun.relu2_mlp(x, w_fc, w_proj)[0]
+
+
+def section_mlp() -> list:
+    rows = []
+    compiled = torch.compile(inductor_mlp, dynamic=False, fullgraph=True)
+    for T in TOKENS:
+        torch.manual_seed(T)
+        x = tg.norm(torch.randn(T, D, device="cuda")).bfloat16()
+        w_fc = (torch.randn(4 * D, D, device="cuda") * D ** -0.5).bfloat16()
+        w_proj = (torch.randn(4 * D, D, device="cuda") * (4 * D) ** -0.5).bfloat16()
+        grad = (torch.randn(T, D, device="cuda") * 1e-3).bfloat16()
+        ref = mlp_reference(x, w_fc, w_proj, grad)
+        row = dict(tokens=T)
+        for name, fn in (("inductor", compiled), ("quack", quack_mlp)):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, w_fc, w_proj)]
+            t0 = time.time()
+            out = fn(*leaves)
+            out.backward(grad)
+            torch.cuda.synchronize()
+            first_call_s = time.time() - t0
+            errs = [rel_err(out, ref[0])] + [rel_err(leaf.grad, r) for leaf, r in zip(leaves, ref[1:])]
+
+            def fwd():
+                with torch.no_grad():
+                    fn(*leaves)
+
+            def fwd_bwd():
+                for leaf in leaves:
+                    leaf.grad = None
+                fn(*leaves).backward(grad)
+            row[name] = dict(first_call_s=round(first_call_s, 2), fwd_ms=bench_ms(fwd), fwd_bwd_ms=bench_ms(fwd_bwd),
+                             rel_err=dict(zip(("out", "dx", "dw_fc", "dw_proj"), errs)))
+        row["speedup_fwd_bwd"] = row["inductor"]["fwd_bwd_ms"] / row["quack"]["fwd_bwd_ms"]
+        rows.append(row)
+    return rows
+
+
+def section_gemm() -> list:
+    q = tg.quack_gemm()
+    rows = []
+    for T in TOKENS:
+        torch.manual_seed(T)
+        x = torch.randn(T, D, device="cuda").bfloat16()
+        w_fc = (torch.randn(4 * D, D, device="cuda") * D ** -0.5).bfloat16()
+        w_proj = (torch.randn(4 * D, D, device="cuda") * (4 * D) ** -0.5).bfloat16()
+        grad = torch.randn(T, D, device="cuda").bfloat16()
+        pre = x @ w_fc.T
+        row = dict(tokens=T, cublas_fwd_ms=bench_ms(lambda: x @ w_fc.T),
+                   cublas_bwd_first_ms=bench_ms(lambda: grad @ w_proj.T))
+        for tuned in (False, True):
+            key = "tuned" if tuned else "untuned"
+            t0 = time.time()
+            q.gemm_act(x, w_fc.mT, activation="relu_sq", tuned=tuned)
+            q.gemm_dact(grad, w_proj.mT, pre, activation="relu_sq", tuned=tuned)
+            torch.cuda.synchronize()
+            row[f"{key}_first_call_s"] = round(time.time() - t0, 2)
+            row[f"gemm_act_{key}_ms"] = bench_ms(lambda: q.gemm_act(x, w_fc.mT, activation="relu_sq", tuned=tuned))
+            row[f"gemm_dact_{key}_ms"] = bench_ms(
+                lambda: q.gemm_dact(grad, w_proj.mT, pre, activation="relu_sq", tuned=tuned))
+        rows.append(row)
+    return rows
+
+
+def section_gram() -> list:
+    from quack.gemm_interface import gemm_symmetric
+    rows = []
+    for n, m, k in ((40, 768, 768), (22, 768, 3072)):
+        torch.manual_seed(n)
+        X = (torch.randn(n, m, k, device="cuda") / k ** 0.5).bfloat16()
+        A_ref = X.float() @ X.float().mT
+        A = A_ref.bfloat16()
+        b, c = -2.808917465908714, 0.5000178451051316
+        P_ref = b * A.float() + c * (A.float() @ A.float())
+        row = dict(shape=[n, m, k])
+        ours_a, ours_p = tg.xxt(X), tg.ba_plus_cAA(A, b, c)
+        quack_a = gemm_symmetric(X, X.mT)
+        quack_p = gemm_symmetric(A, A.mT, C=A, alpha=c, beta=b)
+        row["rel_err"] = dict(triton_xxt=rel_err(ours_a, A_ref), quack_xxt=rel_err(quack_a, A_ref),
+                              triton_poly=rel_err(ours_p, P_ref), quack_poly=rel_err(quack_p, P_ref))
+        row["xxt_ms"] = dict(triton=bench_ms(lambda: tg.xxt(X)), quack=bench_ms(lambda: gemm_symmetric(X, X.mT)),
+                             bmm=bench_ms(lambda: torch.bmm(X, X.mT)))
+        row["poly_ms"] = dict(triton=bench_ms(lambda: tg.ba_plus_cAA(A, b, c)),
+                              quack=bench_ms(lambda: gemm_symmetric(A, A.mT, C=A, alpha=c, beta=b)),
+                              bmm=bench_ms(lambda: torch.baddbmm(A, A, A, beta=b, alpha=c)))
+        rows.append(row)
+    return rows
+
+
+def section_rmsnorm() -> list:
+    from quack import rmsnorm
+    eps = torch.finfo(torch.bfloat16).eps  # F.rms_norm's default for bf16, which the trainer uses
+    compiled = torch.compile(lambda x: F.rms_norm(x, (x.size(-1),)), dynamic=False, fullgraph=True)
+    rows = []
+    for T in TOKENS:
+        x0 = torch.randn(T, D, device="cuda").bfloat16()
+        grad = torch.randn(T, D, device="cuda").bfloat16()
+        xr = x0.float().requires_grad_()
+        ref = F.rms_norm(xr, (D,), eps=eps)
+        ref.backward(grad.float())
+        row = dict(tokens=T)
+        for name, fn in (("inductor", compiled), ("quack", lambda x: rmsnorm(x, eps=eps))):
+            x = x0.clone().requires_grad_()
+            out = fn(x)
+            out.backward(grad)
+            row[f"{name}_rel_err"] = dict(out=rel_err(out, ref), dx=rel_err(x.grad, xr.grad))
+
+            def fwd_bwd(fn=fn, x=x):
+                x.grad = None
+                fn(x).backward(grad)
+            row[f"{name}_fwd_bwd_ms"] = bench_ms(fwd_bwd)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="quack_kernels.json")
+    ap.add_argument("--commit", default="", help="recorded in the JSON")
+    ap.add_argument("--sections", default="mlp,gemm,gram,rmsnorm")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: quack_kernels_bench.py needs a CUDA GPU (it times the real kernels)", file=sys.stderr)
+        return 2
+    result = dict(question="Are quack-kernels' fused GEMM+ReLU², symmetric GEMM and RMSNorm faster than the "
+                           "trainer's kernels on its shapes, and equal within bf16 rounding?",
+                  date=datetime.date.today().isoformat(), commit=a.commit, command=" ".join(sys.argv),
+                  versions=versions())
+    try:
+        tg.quack_on_this_gpu()
+        result["import"] = "ok"
+    except Exception as e:
+        result["import"] = f"{type(e).__name__}: {e}"
+    sections = dict(mlp=section_mlp, gemm=section_gemm, gram=section_gram, rmsnorm=section_rmsnorm)
+    for name in a.sections.split(","):
+        t0 = time.time()
+        try:
+            result[name] = sections[name]()
+        except Exception as e:
+            result[name] = dict(error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-3000:])
+        print(f"{name}: {time.time() - t0:.1f}s", flush=True)
+        print(json.dumps(result[name], indent=1), flush=True)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
