@@ -13,7 +13,7 @@ P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d $W
 for plat in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64; do P="$P --platform $plat"; done
 python3 -m pip download $P -q flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
     nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.11 \
-    torch-c-dlpack-ext==0.1.5 quack-kernels==0.6.5
+    torch-c-dlpack-ext==0.1.5 quack-kernels==0.6.5 einops==0.8.1
 rm -rf .carry/fa4a .carry/fa4b && mkdir -p .carry/fa4a .carry/fa4b "$W/cu13"
 (cd "$W/cu13" && unzip -q "$W"/nvidia_cutlass_dsl_libs_cu13-*.whl)
 tar -C "$W/cu13" -cf - . | xz -9e -T0 > "$W/cu13.tar.xz"

@@ -14,6 +14,8 @@ whether its numbers agree within bf16 rounding:
   gram     Polar Express's symmetric products on the NorMuon stacks (40 x 768 x 768, 22 x 768 x 3072):
            our Triton xxt / ba_plus_cAA against quack gemm_symmetric and torch.bmm
   rmsnorm  the trunk's weightless RMS norm (T x 768) forward+backward: Inductor against quack's rmsnorm
+  host     host time to enqueue one MLP forward+backward while the GPU is kept busy (pure dispatch cost: what
+           decides whether a stage with little GPU work per step becomes bound by the CPU)
 Times are medians of CUDA-event timings (triton.testing.do_bench). Each section that fails records its error.
 """
 import argparse
@@ -184,25 +186,50 @@ def section_rmsnorm() -> list:
     return rows
 
 
+def section_host(calls: int = 40) -> list:
+    rows = []
+    compiled = torch.compile(inductor_mlp, dynamic=False, fullgraph=True)
+    for T in TOKENS[:1]:
+        x, w_fc, w_proj = (torch.randn(*s, device="cuda").bfloat16().requires_grad_()
+                           for s in ((T, D), (4 * D, D), (4 * D, D)))
+        grad = torch.randn(T, D, device="cuda").bfloat16()
+        row = dict(tokens=T, calls=calls)
+        for name, fn in (("inductor", compiled), ("quack", quack_mlp)):
+            for _ in range(3):  # compiled, plans cached
+                fn(x, w_fc, w_proj).backward(grad)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work ahead of the calls: they only enqueue
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(x, w_fc, w_proj).backward(grad)
+            row[f"{name}_host_us_per_fwd_bwd"] = (time.perf_counter() - t0) / calls * 1e6
+            torch.cuda.synchronize()
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="quack_kernels.json")
     ap.add_argument("--commit", default="", help="recorded in the JSON")
-    ap.add_argument("--sections", default="mlp,gemm,gram,rmsnorm")
+    ap.add_argument("--sections", default="mlp,gram,rmsnorm,host",
+                    help="comma-separated; gemm (the fused GEMMs alone, untuned and autotuned) autotunes for minutes")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: quack_kernels_bench.py needs a CUDA GPU (it times the real kernels)", file=sys.stderr)
         return 2
     result = dict(question="Are quack-kernels' fused GEMM+ReLU², symmetric GEMM and RMSNorm faster than the "
                            "trainer's kernels on its shapes, and equal within bf16 rounding?",
-                  date=datetime.date.today().isoformat(), commit=a.commit, command=" ".join(sys.argv),
+                  device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=a.commit,
+                  command=" ".join(sys.argv),
                   versions=versions())
     try:
         tg.quack_on_this_gpu()
         result["import"] = "ok"
     except Exception as e:
         result["import"] = f"{type(e).__name__}: {e}"
-    sections = dict(mlp=section_mlp, gemm=section_gemm, gram=section_gram, rmsnorm=section_rmsnorm)
+    sections = dict(mlp=section_mlp, gemm=section_gemm, gram=section_gram, rmsnorm=section_rmsnorm,
+                    host=section_host)
     for name in a.sections.split(","):
         t0 = time.time()
         try:

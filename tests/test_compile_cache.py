@@ -28,9 +28,10 @@ print("RESULT=" + json.dumps(dict(loaded=loaded, line=line, saved=saved, hits=co
 """
 
 
-def run_process(mode, bundle, inductor_dir, kernel_dir):
+def run_process(mode, bundle, inductor_dir, kernel_dir, quack_dir):
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
-               FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(kernel_dir), PYTHONWARNINGS="ignore")
+               FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(kernel_dir), QUACK_CACHE_DIR=str(quack_dir),
+               PYTHONWARNINGS="ignore")
     r = subprocess.run([sys.executable, "-c", PROCESS, mode, str(bundle)], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -39,17 +40,21 @@ def run_process(mode, bundle, inductor_dir, kernel_dir):
 
 @pytest.mark.slow
 def test_bundle_from_one_machine_skips_compilation_on_a_fresh_one(tmp_path):
+    """Inductor's graphs and both kernel-cache folders (FlashAttention-4's, quack's) travel in the bundle."""
     bundle = tmp_path / "bundle.zip"
-    kernels = tmp_path / "fa4_a"
+    kernels, quack = tmp_path / "fa4_a", tmp_path / "quack_a"
     (kernels / "sub").mkdir(parents=True)
     (kernels / "sub" / "kernel.o").write_bytes(b"compiled kernel")
-    first = run_process("save", bundle, tmp_path / "inductor_a", kernels)
-    assert first["misses"] >= 1 and "wrote" in first["saved"] and "1 kernel-cache files" in first["saved"]
-    # a fresh machine: empty Inductor cache, empty kernel-cache folder
-    second = run_process("load", bundle, tmp_path / "inductor_b", tmp_path / "fa4_b")
+    quack.mkdir()
+    (quack / "gemm_act.o").write_bytes(b"quack kernel")
+    first = run_process("save", bundle, tmp_path / "inductor_a", kernels, quack)
+    assert first["misses"] >= 1 and "wrote" in first["saved"] and "2 kernel-cache files" in first["saved"]
+    # a fresh machine: empty Inductor cache, empty kernel-cache folders
+    second = run_process("load", bundle, tmp_path / "inductor_b", tmp_path / "fa4_b", tmp_path / "quack_b")
     assert second["loaded"] and second["line"].startswith(f"compile cache: loaded {bundle}")
     assert second["hits"] >= 1 and second["misses"] == 0
     assert (tmp_path / "fa4_b" / "sub" / "kernel.o").read_bytes() == b"compiled kernel"
+    assert (tmp_path / "quack_b" / "gemm_act.o").read_bytes() == b"quack kernel"
 
 
 def test_missing_bundle_is_reported_and_will_be_written(tmp_path):

@@ -1,5 +1,5 @@
 """The ReLU² MLP's kernel choice: quack's fused GEMM op (wired through a float64 stand-in for quack here) against
-the Inductor formula, its fakes for torch.compile, and the auto/explicit dispatch with its fallbacks."""
+the Inductor formula, its fakes for torch.compile, and the opt-in dispatch with its one-line errors."""
 import sys
 import types
 
@@ -76,36 +76,35 @@ def test_quack_mlp_ops_trace_with_their_fakes_forward_and_backward():
     assert [g.shape for g in grads] == [x.shape, w_fc.shape, w_proj.shape]
 
 
-def test_mlp_kernel_auto_falls_back_to_inductor_and_explicit_quack_fails_in_one_line(monkeypatch):
-    assert tg.resolve_mlp_kernel("auto", "cpu") == "inductor"
-    assert tg.resolve_mlp_kernel("inductor", "cuda") == "inductor"
+def test_mlp_kernel_defaults_to_inductor_and_quack_is_checked_before_anything_starts(monkeypatch):
+    assert tg.Hyperparameters().mlp_kernel == "inductor"
+    assert tg.resolve_mlp_kernel("inductor", "cpu") == "inductor"
     with pytest.raises(tg.ConfigError, match="--mlp-kernel quack unavailable .*needs a CUDA GPU"):
         tg.resolve_mlp_kernel("quack", "cpu")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setitem(sys.modules, "quack", None)  # not installed
     tg.quack_gemm.cache_clear()
-    assert tg.resolve_mlp_kernel("auto", "cuda") == "inductor"
     with pytest.raises(tg.ConfigError, match="pip install quack-kernels"):
         tg.resolve_mlp_kernel("quack", "cuda")
+    tg.quack_gemm.cache_clear()
 
 
-def test_mlp_kernel_auto_picks_quack_when_it_imports_on_hopper_but_not_on_ampere(monkeypatch):
+def test_mlp_kernel_quack_runs_where_quack_imports_on_hopper_and_is_refused_on_ampere(monkeypatch):
     fake = types.ModuleType("quack.gemm_interface")
     monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
     monkeypatch.setitem(sys.modules, "quack.gemm_interface", fake)
     tg.quack_gemm.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert tg.resolve_mlp_kernel("auto", "cuda") == "quack"
+    assert tg.resolve_mlp_kernel("quack", "cuda") == "quack"
     assert tg.quack_gemm() is fake
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    assert tg.resolve_mlp_kernel("auto", "cuda") == "inductor"
     with pytest.raises(tg.ConfigError, match="compute capability 9.x or 10.x"):
         tg.resolve_mlp_kernel("quack", "cuda")
     tg.quack_gemm.cache_clear()
 
 
 def test_run_config_names_the_mlp_kernel_that_ran():
-    args = tg.parse_args(["--device", "cpu", "--smoke", "--mlp-kernel", "auto"])
+    args = tg.parse_args(["--device", "cpu", "--smoke"])
     rt = tg.resolve_runtime(args, env={})
     assert rt.mlp_kernel == "inductor"
     assert " mlp_kernel=inductor " in rt.config_line(args)

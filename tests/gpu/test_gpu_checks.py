@@ -9,6 +9,8 @@
   * attention backends (PyTorch's FA2 varlen kernels behind our op, FA3 / FA4 when installed) vs the plain-PyTorch
     reference, forward and backward; FA2 vs torch's public varlen_attn (same kernels: same bits)
   * FA4 vs FA2 on one stage-3 micro-batch, with both speeds recorded
+  * the ReLU² MLP on quack's fused GEMMs (when quack-kernels is installed) vs float32, forward and backward, next to
+    Inductor's version of the same two lines
   * the three Triton orthogonalizer kernels vs float32 torch matmuls on the real shapes
   * Polar Express and Turbo-Muon on the real parameter-stack shapes vs the float64 SVD polar factor
 Bounds sit about 1.5-2x above the errors measured on an H100 (bench/results/*_gpu_checks*.json). Times are
@@ -39,6 +41,7 @@ from train_gpt import (  # noqa: E402
     pack_cu_seqlens,
     polar_express,
     resolve_attention_backend,
+    resolve_mlp_kernel,
     softcap_ce_backward,
     softcap_ce_backward_reference,
     softcap_ce_forward,
@@ -180,6 +183,38 @@ def test_fa4_first_call_compiles_and_runs(gpu_results):
     torch.cuda.synchronize()
     gpu_results["attention_fa4_first_call_s"] = dict(forward=t_fwd, backward=time.time() - t - t_fwd)
     assert torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in (q, k, v))
+
+
+@pytest.mark.parametrize("tokens", [16384, 49152])
+def test_quack_relu2_mlp_matches_float32_like_inductor(tokens, gpu_results):
+    """--mlp-kernel quack: output and the three gradients against float32 from the same bf16 inputs, with the
+    errors of Inductor's version (what the default runs) as the yardstick: within bf16 rounding of it."""
+    try:
+        resolve_mlp_kernel("quack", "cuda")
+    except ConfigError as e:
+        gpu_results["mlp_quack"] = f"unavailable: {e}"
+        pytest.skip(str(e))
+    torch.manual_seed(0)
+    d = 768
+    x = norm(torch.randn(tokens, d, device="cuda")).bfloat16()
+    w_fc = (torch.randn(4 * d, d, device="cuda") * d ** -0.5).bfloat16()
+    w_proj = (torch.randn(4 * d, d, device="cuda") * (4 * d) ** -0.5).bfloat16()
+    g = (torch.randn(tokens, d, device="cuda") * 1e-3).bfloat16()
+    leaves = [t.float().requires_grad_() for t in (x, w_fc, w_proj)]
+    ref = torch.relu(leaves[0] @ leaves[1].T).square() @ leaves[2]
+    ref_grads = torch.autograd.grad(ref, leaves, g.float())
+    inductor = torch.compile(lambda a, b, c: torch.relu(a @ b.T).square() @ c, fullgraph=True, dynamic=False)
+    errors = {}
+    for name, fn in (("quack", lambda a, b, c: torch.ops.speedrun.relu2_mlp(a, b, c)[0]), ("inductor", inductor)):
+        ins = [t.clone().requires_grad_() for t in (x, w_fc, w_proj)]
+        out = fn(*ins)
+        grads = torch.autograd.grad(out, ins, g)
+        errors[name] = [rel(out, ref)] + [rel(a, b) for a, b in zip(grads, ref_grads)]
+        assert out.dtype == torch.bfloat16 and all(a.dtype == torch.bfloat16 for a in grads)
+    r = gpu_results[f"mlp_quack_{tokens}"] = dict(zip(("out", "dx", "dw_fc", "dw_proj"), zip(*errors.values())),
+                                                  columns=list(errors))
+    for q, i in zip(errors["quack"], errors["inductor"]):
+        assert q < 1.5 * i + 1e-3, r   # bench/quack_kernels_bench.py measured quack at or below Inductor
 
 
 @pytest.mark.parametrize("window", [384, 1408])
