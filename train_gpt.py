@@ -134,6 +134,8 @@ class Hyperparameters:
     fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA", ("auto", "on", "off"))
     fused_fp8_head: bool = setting(True, "FP8 lm_head + softcapped cross-entropy with one fused Triton backward")
     ce_backward_tile: tuple = setting((32, 128, 4), "BLOCK_T,BLOCK_V,WARPS of the fused cross-entropy backward")
+    ce_fast_math: bool = setting(False, "fused cross-entropy backward: sigmoid through the GPU's tanh.approx and "
+                                        "multiplications instead of divisions (fewer special-function instructions)")
     mlp_kernel: str = setting("inductor", "ReLU² MLP kernels: Inductor's (cuBLAS + fused pointwise) or quack's fused "
                                           "GEMM+activation (pip install quack-kernels; Hopper/Blackwell)",
                               ("inductor", "quack"))
@@ -405,16 +407,17 @@ def softcap_ce_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor) 
 
 @torch.library.custom_op("speedrun::softcap_ce_backward", mutates_args=())
 def softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor, grad_s: float,
-                        tile: list[int]) -> tuple[Tensor, Tensor]:
+                        tile: list[int], fast_math: bool = False) -> tuple[Tensor, Tensor]:
     """e5m2(bf16(grad·d/dlogits sum CE(30·sigmoid(logits/7.5))) / grad_s) as (T, V) and as its (V, T) transpose.
     logits (T, V) bf16, lse (T,) fp32 log-sum-exp of the softcapped logits, targets (T,) int64, grad 0-D;
-    tile (BLOCK_T, BLOCK_V, num_warps) of the Triton kernel."""
+    tile (BLOCK_T, BLOCK_V, num_warps) of the Triton kernel; fast_math: see --ce-fast-math."""
     T, V = logits.shape
     if not _kernels_usable(logits):
         return softcap_ce_backward_reference(logits, lse, targets, grad, grad_s)
     g = torch.empty((T, V), dtype=torch.uint8, device=logits.device)
     g_t = torch.empty((V, T), dtype=torch.uint8, device=logits.device)
-    launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s, round_bf16=True, fp8=True, tile=tile)
+    launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s, round_bf16=True, fp8=True, tile=tile,
+                               fast_math=fast_math)
     return g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
 
 
@@ -425,22 +428,23 @@ def softcap_ce_backward_reference(logits, lse, targets, grad, grad_s: float) -> 
 
 
 @softcap_ce_backward.register_fake
-def _(logits, lse, targets, grad, grad_s, tile):
+def _(logits, lse, targets, grad, grad_s, tile, fast_math=False):
     T, V = logits.shape
     return (logits.new_empty((T, V), dtype=torch.float8_e5m2), logits.new_empty((V, T), dtype=torch.float8_e5m2))
 
 
 def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool,
-                               tile=None):
+                               tile=None, fast_math: bool = False):
     """Run _softcap_ce_backward_kernel; out (T, V) and out_t (V, T) are uint8 (fp8=True) or float32 buffers.
     tile: (BLOCK_T, BLOCK_V, num_warps), --ce-backward-tile; bench/ce_kernel_bench.py times the candidates (32x128
-    with 4 warps is the default: larger tiles spill registers)."""
+    with 4 warps is the default: larger tiles spill registers). fast_math: --ce-fast-math (the interpreter, which
+    runs no PTX, gets the same formula with an exact tanh)."""
     T, V = logits.shape
     block_t, block_v, warps = tile or Hyperparameters.ce_backward_tile
     assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
     _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
-        logits, lse, targets, grad, out, out_t, T, V, grad_s, BLOCK_T=block_t, BLOCK_V=block_v,
-        ROUND_BF16=round_bf16, FP8=fp8, num_warps=warps)
+        logits, lse, targets, grad, out, out_t, T, V, grad_s, 1.0 / grad_s, BLOCK_T=block_t, BLOCK_V=block_v,
+        ROUND_BF16=round_bf16, FP8=fp8, FAST_MATH=fast_math, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
 
 
 class FP8LMHeadCrossEntropySum(torch.autograd.Function):
@@ -452,25 +456,26 @@ class FP8LMHeadCrossEntropySum(torch.autograd.Function):
     transpose of the unfused path (lm_head_fp8 + softcapped_cross_entropy_sum, which computes the same function)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, tile: tuple) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, tile: tuple, fast_math: bool) -> Tensor:
         logits, x_f8, w_f8 = torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
         loss, lse = softcap_ce_forward(logits, targets)
         ctx.save_for_backward(logits, targets, lse, x_f8, w_f8)
-        ctx.tile = list(tile)
+        ctx.tile, ctx.fast_math = list(tile), fast_math
         return loss
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         logits, targets, lse, x_f8, w_f8 = ctx.saved_tensors
-        g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, ctx.tile)
+        g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, ctx.tile,
+                                                              ctx.fast_math)
         grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward_pretransposed(
             g_f8, g_f8_t, x_f8.t().contiguous(), w_f8.t().contiguous(), FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def fp8_lm_head_cross_entropy_sum(x: Tensor, w: Tensor, targets: Tensor,
-                                  tile: tuple = Hyperparameters.ce_backward_tile) -> Tensor:
-    return FP8LMHeadCrossEntropySum.apply(x, w, targets, tuple(tile))
+                                  tile: tuple = Hyperparameters.ce_backward_tile, fast_math: bool = False) -> Tensor:
+    return FP8LMHeadCrossEntropySum.apply(x, w, targets, tuple(tile), fast_math)
 
 
 def transpose_bytes(x: Tensor) -> Tensor:
@@ -504,15 +509,29 @@ if triton is not None:
 
 
     @triton.jit
-    def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
+    def _tanh_approx(y, PTX: tl.constexpr):
+        # One special-function instruction on NVIDIA GPUs (relative error about 2^-11); the interpreter runs no
+        # PTX, so there the same value comes from the exact identity tanh(y) = 2·sigmoid(2y) - 1.
+        if PTX:
+            return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return 2.0 * tl.sigmoid(2.0 * y) - 1.0
+
+    @triton.jit
+    def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s, inv_grad_s,
                                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-                                    ROUND_BF16: tl.constexpr, FP8: tl.constexpr):
+                                    ROUND_BF16: tl.constexpr, FP8: tl.constexpr,
+                                    FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
         # Gradient of sum_t CE(30·sigmoid(logits_t/7.5), target_t) times grad, for one (BLOCK_T x BLOCK_V) tile:
         #   g = grad·(softmax(z) - onehot)·dz/dlogit,  z = 30·s, s = sigmoid(logit/7.5), dz/dlogit = 4·s·(1-s)
         # rounded to bf16 (the record's bf16 gradient), divided by grad_s and cast to e5m2, then stored twice: as
         # (T, V) for dX and transposed as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous). One read of
         # the logits and two 1-byte writes per element; both stores are coalesced (the transpose goes through
         # shared memory). FP8=False stores the fp32 values instead (tests), ROUND_BF16=False skips the rounding.
+        # FAST_MATH: sigmoid(y) = (1 + tanh(y/2))/2 with tanh.approx (one instruction instead of an exponential and
+        # a full-precision division) and multiplications by 1/7.5 and 1/grad_s instead of divisions; the error it
+        # adds is far below the e5m2 rounding that follows.
         row0 = tl.program_id(0) * BLOCK_T
         col0 = tl.program_id(1) * BLOCK_V
         r = tl.arange(0, BLOCK_T)   # in-tile offsets stay int32; only the tile bases are 64-bit
@@ -527,13 +546,19 @@ if triton is not None:
         row_lse = tl.load(lse + rows, mask=rmask, other=0.0)
         row_target = tl.load(targets + rows, mask=rmask, other=-1)
         scale = tl.load(grad).to(tl.float32)
-        s = tl.sigmoid(x / 7.5)
+        if FAST_MATH:
+            s = 0.5 + 0.5 * _tanh_approx(x * (0.5 / 7.5), PTX_TANH)
+        else:
+            s = tl.sigmoid(x / 7.5)
         p = tl.exp(30.0 * s - row_lse[:, None])
         onehot = (cols[None, :] == row_target[:, None]).to(tl.float32)
         g = scale * (p - onehot) * 4.0 * s * (1.0 - s)
         if ROUND_BF16:
             g = g.to(tl.bfloat16).to(tl.float32)
-        g = g / grad_s
+        if FAST_MATH:
+            g = g * inv_grad_s
+        else:
+            g = g / grad_s
         if FP8:
             q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
         else:
@@ -569,15 +594,16 @@ class LMHead(nn.Module):
     backward is the one Triton pass (FP8LMHeadCrossEntropySum), else the same function in separate ops."""
 
     def __init__(self, dim: int, vocab_size: int, fp8: bool = False, fused: bool = True,
-                 ce_backward_tile: tuple = Hyperparameters.ce_backward_tile):
+                 ce_backward_tile: tuple = Hyperparameters.ce_backward_tile, ce_fast_math: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.bfloat16))  # zero init: loss ln(V)
         self.fp8, self.fused, self.ce_backward_tile = fp8, fused, tuple(ce_backward_tile)
+        self.ce_fast_math = ce_fast_math
 
     def forward(self, x: Tensor, targets: Tensor) -> Tensor:
         if self.training and self.fp8:
             if self.fused:
-                return fp8_lm_head_cross_entropy_sum(x, self.weight, targets, self.ce_backward_tile)
+                return fp8_lm_head_cross_entropy_sum(x, self.weight, targets, self.ce_backward_tile, self.ce_fast_math)
             return softcapped_cross_entropy_sum(lm_head_fp8(x, self.weight), targets)
         logits = F.linear(x, self.weight)
         if self.training:
@@ -1689,7 +1715,7 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
         self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim, mlp_kernel) for i in range(L)])
         self.yarn = Yarn(args.head_dim, max_seq_len)
-        self.lm_head = LMHead(d, self.vocab_size, fp8, args.fused_fp8_head, args.ce_backward_tile)
+        self.lm_head = LMHead(d, self.vocab_size, fp8, args.fused_fp8_head, args.ce_backward_tile, args.ce_fast_math)
         for m in self.modules():  # embeddings, gates and lm_head live in bf16; the big matrices stay fp32
             if isinstance(m, (nn.Embedding, nn.Linear)):
                 m.bfloat16()
@@ -2505,10 +2531,12 @@ class Runtime:
     def config_line(self, args: Hyperparameters) -> str:
         """The log's `Run config:` line (records/compare.py reads it)."""
         gpu_name = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
+        fused_head = self.fp8 and args.fused_fp8_head
         return (f'Run config: world_size={self.world_size} grad_accum_steps={self.grad_accum_steps} '
                 f'device={self.device} attn_backend={self.attn_backend} orthogonalizer={args.orthogonalizer} '
                 f'fp8={int(self.fp8)} compile={int(self.compile)} dynamic_seq_len={int(self.dynamic_seq_len)} '
-                f'fused_fp8_head={int(self.fp8 and args.fused_fp8_head)} mlp_kernel={self.mlp_kernel} '
+                f'fused_fp8_head={int(fused_head)} ce_fast_math={int(fused_head and args.ce_fast_math)} '
+                f'mlp_kernel={self.mlp_kernel} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')

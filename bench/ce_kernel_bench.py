@@ -5,7 +5,9 @@
 The unfused path is what the trainer runs with --fused-fp8-head 0: Inductor's kernel for the bf16 softcap/CE
 gradient and its e5m2 cast (compiled), then the tiled transpose_bytes kernel. Every fused variant must produce the
 same e5m2 bytes as the PyTorch reference formula (up to a handful of last-bit flips, share reported) and a
-transpose that is exactly the transposed (T, V) output."""
+transpose that is exactly the transposed (T, V) output. The default tile also runs with --ce-fast-math (row
+"32,128,4,fast"): its bytes differ where tanh.approx moves a value across an e5m2 rounding boundary; rel_diff is the
+gradient's relative difference from the reference formula."""
 import argparse
 import json
 import sys
@@ -47,27 +49,33 @@ def main(argv=None) -> int:
     g, g_t = unfused()
     rows["unfused"]["bytes_identical_share"] = (g.view(torch.uint8) == ref).double().mean().item()
     out, out_t = torch.empty((T, V), dtype=torch.uint8, device="cuda"), torch.empty((V, T), dtype=torch.uint8, device="cuda")
-    for cfg in VARIANTS:
-        def fused(cfg=cfg):
-            tg.launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, tg.FP8_GRAD_SCALE, True, True, cfg)
+    # every tile with exact math, then the default tile with --ce-fast-math (name suffix ",fast")
+    for cfg, fast in [(cfg, False) for cfg in VARIANTS] + [(tuple(tg.Hyperparameters.ce_backward_tile), True)]:
+        name = ",".join(map(str, cfg)) + (",fast" if fast else "")
+
+        def fused(cfg=cfg, fast=fast):
+            tg.launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, tg.FP8_GRAD_SCALE, True, True, cfg,
+                                          fast_math=fast)
         out.fill_(255)
         out_t.fill_(255)
         try:
             fused()
             torch.cuda.synchronize()
         except Exception as e:  # a variant that does not compile (shared memory, registers) is reported, not fatal
-            rows[",".join(map(str, cfg))] = dict(error=f"{type(e).__name__}: {e}"[:200])
+            rows[name] = dict(error=f"{type(e).__name__}: {e}"[:200])
             continue
-        rows[",".join(map(str, cfg))] = dict(
+        rows[name] = dict(
             ms=triton.testing.do_bench(fused, warmup=10, rep=100, return_mode="median"),
             bytes_identical_share=(out == ref).double().mean().item(),
-            transpose_exact=bool(torch.equal(out_t, out.t().contiguous())))
+            transpose_exact=bool(torch.equal(out_t, out.t().contiguous())),
+            rel_diff=((out.view(torch.float8_e5m2).float() - ref.view(torch.float8_e5m2).float()).norm()
+                      / ref.view(torch.float8_e5m2).float().norm()).item())
     bytes_moved = T * V * (2 + 1 + 1)
     for name, row in rows.items():
         if "ms" in row:
             row["GB_per_s"] = bytes_moved / (row["ms"] * 1e-3) / 1e9
-    ok = {k: v for k, v in rows.items() if k != "unfused" and "ms" in v
-          and v["bytes_identical_share"] > 0.9999 and v["transpose_exact"]}
+    ok = {k: v for k, v in rows.items() if k != "unfused" and "ms" in v and not k.endswith(",fast")
+          and v["bytes_identical_share"] > 0.9999 and v["transpose_exact"]}  # fast math: judged by its rel_diff
     best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
     choice = best if best and ok[best]["ms"] < rows["unfused"]["ms"] else "unfused"
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=T, vocab=V, rows=rows,

@@ -233,6 +233,63 @@ def test_softcap_ce_backward_kernel_matches_float64_and_writes_both_layouts():
         assert row["fp8_exact_share"] > 0.8, row
 
 
+CE_FAST_MATH_SCRIPT = """
+import json, torch, train_gpt as tg
+out = []
+for t, v in [(128, 256), (100, 300)]:
+    g = torch.Generator().manual_seed(t * v)
+    logits = torch.randn(t, v, generator=g) * 8
+    targets = torch.randint(0, v, (t,), generator=g)
+    lse = torch.exp(30 * torch.sigmoid(logits / 7.5)).sum(-1).log()
+    grad = torch.tensor(0.125)
+    s = torch.sigmoid(logits.double() / 7.5)
+    ref = 0.125 * (torch.exp(30 * s - lse.double()[:, None]) - torch.nn.functional.one_hot(targets, v)) * 4 * s * (1 - s)
+    ref = ref / tg.FP8_GRAD_SCALE
+    res = {}
+    for fast in (False, True):
+        o, o_t = torch.full((t, v), float("nan")), torch.full((v, t), float("nan"))
+        tg.launch_softcap_ce_backward(logits, lse, targets, grad, o, o_t, tg.FP8_GRAD_SCALE, round_bf16=False,
+                                      fp8=False, fast_math=fast)
+        res[fast] = o
+    fast = res[True]
+    out.append(dict(rel_err=((fast.double() - ref).norm() / ref.norm()).item(),
+                    max_rel_diff_vs_exact=((fast - res[False]).abs().max() / res[False].abs().max()).item(),
+                    transposed_equal=torch.equal(o_t, o.t().contiguous()), all_written=not fast.isnan().any().item()))
+print(json.dumps(out))
+"""
+
+
+def test_ce_fast_math_formula_matches_float64_in_the_interpreter():
+    """--ce-fast-math's algebra (sigmoid through tanh, multiplications for divisions) with the interpreter's exact
+    tanh: the same gradient as the exact kernel to fp32 rounding. (tanh.approx itself runs on GPUs only:
+    tests/gpu bounds its effect on the e5m2 bytes.)"""
+    rows = run_in_triton_interpreter(CE_FAST_MATH_SCRIPT)
+    for row in rows:
+        assert row["rel_err"] < 1e-5 and row["max_rel_diff_vs_exact"] < 1e-5, row
+        assert row["transposed_equal"] and row["all_written"], row
+
+
+def test_ce_fast_math_flag_reaches_the_fused_kernel(monkeypatch):
+    """--ce-fast-math -> LMHead -> the fused head's backward op -> the kernel launch (here a recording stand-in)."""
+    seen = []
+
+    def fake_launch(logits, lse, targets, grad, out, out_t, grad_s, round_bf16, fp8, tile=None, fast_math=False):
+        seen.append(fast_math)
+        out.zero_()
+        out_t.zero_()
+    monkeypatch.setattr(tg, "launch_softcap_ce_backward", fake_launch)
+    monkeypatch.setattr(tg, "_kernels_usable", lambda t: True)
+    args = tg.parse_args(["--ce-fast-math", "true"])
+    x, w, targets = _head_inputs(7)
+    for fast in (args.ce_fast_math, False):
+        head = tg.LMHead(D, 256, fp8=True, fused=True, ce_fast_math=fast)
+        with torch.no_grad():
+            head.weight.copy_(w)
+        head.train()
+        head(x, targets).backward()
+    assert seen == [True, False]
+
+
 def test_fp8_scale_tensors_are_made_once_per_value_and_device():
     """torch.tensor(value, device="cuda") blocks the CPU until the GPU is idle: the op's scale tensors must be
     created once, not on every call (six calls per micro-batch)."""
