@@ -8,8 +8,8 @@ Usage: ./run.sh [COMMAND] [ARGS...]
 
 On a Linux machine with NVIDIA GPUs and internet:
   ./run.sh [TRAIN_ARGS...]        same as `./run.sh train`
-  ./run.sh train [TRAIN_ARGS...]  setup-gpu, download 9 FineWeb train shards + the val shard into
-                                  data/fineweb10B/ (skipped with --data-path DIR), then
+  ./run.sh train [TRAIN_ARGS...]  setup-gpu, check TRAIN_ARGS, download 9 FineWeb train shards + the val
+                                  shard into data/fineweb10B/ (skipped with --data-path DIR), then
                                   torchrun --standalone --nproc_per_node=<GPUs> train_gpt.py TRAIN_ARGS
   ./run.sh setup-gpu              pip-install requirements.txt, then requirements-gpu.txt (optional
                                   FlashAttention-4; skipped where it does not install)
@@ -102,13 +102,17 @@ custom_data_path() {
     return 1
 }
 
-launch() {  # launch [train_gpt.py args...]; needs GPUS from require_gpu
-    local n=$GPUS k
-    # 1, 2, 4 or 8 GPUs use gradient accumulation to keep the global batch; more than 8 must be a multiple of 8.
-    if [ "$n" -gt 8 ] || [ $((8 % n)) -ne 0 ]; then
-        for k in 8 4 2 1; do if [ "$n" -ge $k ]; then n=$k; break; fi; done
-        echo "run.sh: using $n of the visible GPUs (the trainer supports 1, 2, 4 or 8 per node)" >&2
+usable_gpus() {  # sets N_GPUS from GPUS (require_gpu): 1, 2, 4 or 8 keep the global batch by gradient accumulation
+    local k
+    N_GPUS=$GPUS
+    if [ "$N_GPUS" -gt 8 ] || [ $((8 % N_GPUS)) -ne 0 ]; then
+        for k in 8 4 2 1; do if [ "$N_GPUS" -ge $k ]; then N_GPUS=$k; break; fi; done
+        echo "run.sh: using $N_GPUS of the visible GPUs (the trainer supports 1, 2, 4 or 8 per node)" >&2
     fi
+}
+
+launch() {  # launch [train_gpt.py args...]; needs N_GPUS from usable_gpus
+    local n=$N_GPUS
     # The device machines have no NVLink multicast: NCCL, symmetric memory and NVSHMEM must not try it.
     export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
         NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
@@ -121,9 +125,12 @@ launch() {  # launch [train_gpt.py args...]; needs GPUS from require_gpu
 train() {
     require_gpu
     setup_gpu
+    usable_gpus
     if custom_data_path "$@"; then
         echo "run.sh: --data-path given, not downloading FineWeb"
     else
+        # A typo in a flag should not cost the download first: the settings alone are checked before it.
+        WORLD_SIZE=$N_GPUS "$PY" train_gpt.py --check-flags "$@"
         "$PY" data/cached_fineweb10B.py 9
     fi
     launch "$@"

@@ -148,6 +148,8 @@ class Hyperparameters:
     smoke: bool = setting(False, "tiny preset for CPUs and tests: 128-wide model, 30+3 steps (flags still win)")
     check: bool = setting(False, "only validate the settings and the data for WORLD_SIZE processes, then exit "
                                  "(./run.sh does this before starting torchrun)")
+    check_flags: bool = setting(False, "only validate the settings for WORLD_SIZE processes (not the data), then "
+                                       "exit (./run.sh does this before downloading FineWeb)")
 
     @property
     def num_iterations(self) -> int:
@@ -2738,12 +2740,15 @@ def run(args: Hyperparameters) -> None:
     cache_path = Path(args.compile_cache) if args.compile_cache else None
     # quack reads its kernel-cache folder at import; name its default so the bundle can carry it.
     os.environ.setdefault("QUACK_CACHE_DIR", str(Path(tempfile.gettempdir()) / getpass.getuser() / "quack_cache"))
-    cache_loaded, cache_line = load_compile_cache(cache_path) if cache_path and not args.check else (False, "")
+    checking = args.check or args.check_flags
+    cache_loaded, cache_line = load_compile_cache(cache_path) if cache_path and not checking else (False, "")
     rt = resolve_runtime(args)
-    if args.check:
-        find_data(args, rt)
+    if checking:
+        if args.check:
+            find_data(args, rt)
         print(f"check: ok: {rt.world_size} process(es) on {rt.device}, attention {rt.attn_backend}, "
-              f"{rt.grad_accum_steps} micro-batch(es) per step, data {args.data_path}", flush=True)
+              f"{rt.grad_accum_steps} micro-batch(es) per step, "
+              f"data {args.data_path if args.check else 'not checked'}", flush=True)
         return
     run_id = args.run_id or str(uuid.uuid4())
     trainer = build_trainer(args, rt, Path(args.log_dir) / f"{run_id}.txt")

@@ -295,6 +295,21 @@ def test_check_validates_settings_and_data_without_training(tmp_path, good_data)
     assert_one_line_error(bad, "does not exist")
 
 
+def test_check_flags_validates_settings_before_any_data_exists(tmp_path):
+    """What ./run.sh runs before downloading FineWeb: flags and world size only, so a typo costs no download."""
+    r = run_script(smoke_args(tmp_path / "not_downloaded_yet", tmp_path, "--check-flags"), cwd=tmp_path,
+                   env=child_env(WORLD_SIZE="2"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("check: ok: 2 process(es) on cpu") and "data not checked" in r.stdout
+    assert not (tmp_path / "logs").exists()
+    bad = run_script(smoke_args(tmp_path / "not_downloaded_yet", tmp_path, "--check-flags", "--orthogonalizer",
+                                "newton"), cwd=tmp_path)
+    assert_one_line_error(bad, "--orthogonalizer")
+    odd = run_script(smoke_args(tmp_path / "not_downloaded_yet", tmp_path, "--check-flags"), cwd=tmp_path,
+                     env=child_env(WORLD_SIZE="3"))
+    assert_one_line_error(odd, "world size 3")
+
+
 def test_under_torchrun_a_bad_shard_is_reported_once_by_rank_0_and_workers_exit_2(tmp_path, good_data):
     data = copy_data(good_data, tmp_path / "d")
     bad = data / "fineweb_train_000001.bin"

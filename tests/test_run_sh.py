@@ -34,7 +34,7 @@ if [ "${1:-}" = -c ]; then
         *torch.version.cuda*) echo "${STUB_CUDA-13.0}" ;;
         *sys.prefix*) echo /stub/prefix ;;
     esac
-elif [ "${1:-} ${2:-}" = "train_gpt.py --check" ]; then
+elif [ "${1:-} ${2:-}" = "train_gpt.py --check" ] || [ "${1:-} ${2:-}" = "train_gpt.py --check-flags" ]; then
     [ "${STUB_CHECK_RC:-0}" = 0 ] || echo "error: --orthogonalizer: invalid choice (see --help)" >&2
     exit "${STUB_CHECK_RC:-0}"
 elif [ "${1:-} ${2:-}" = "-m pytest" ]; then
@@ -122,6 +122,11 @@ def check(*args):
     return ["train_gpt.py", "--check", *args]
 
 
+def check_flags(*args):
+    """The one-process check of the trainer's flags alone, before the FineWeb download."""
+    return ["train_gpt.py", "--check-flags", *args]
+
+
 # ---- no GPU: one message, exit 2, before anything is installed or downloaded -------------------------------------
 
 @pytest.mark.parametrize("form", [[], ["train"], ["--data-path", "data/proxy"], ["train", "--smoke"], ["setup-gpu"]])
@@ -185,8 +190,9 @@ def test_default_form_installs_downloads_then_launches(box, visible, used):
     r = box.gpus(visible).run("--seed", "7", "--orthogonalizer", "turbo")
     assert r.returncode == 0, r.stdout + r.stderr
     flags = ("--seed", "7", "--orthogonalizer", "turbo")
-    assert box.commands() == [REQS, GPU_REQS, DOWNLOAD, check(*flags), torchrun(used, *flags)]
+    assert box.commands() == [REQS, GPU_REQS, check_flags(*flags), DOWNLOAD, check(*flags), torchrun(used, *flags)]
     assert box.calls()[-2]["env"].get("WORLD_SIZE") == str(used)
+    assert [c["env"].get("WORLD_SIZE") for c in box.calls() if c["argv"][:2] == check_flags()] == [str(used)]
     launch = box.calls()[-1]
     assert launch["env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                              "NVSHMEM_DISABLE_NVLS": "1", "WORLD_SIZE": None}
@@ -197,6 +203,13 @@ def test_bad_trainer_flags_stop_at_the_one_process_check_before_torchrun(box):
     r = box.gpus(2).run("--data-path", "data/proxy", "--orthogonalizer", "newton", STUB_CHECK_RC="2")
     assert r.returncode == 2
     assert box.commands()[-1] == check("--data-path", "data/proxy", "--orthogonalizer", "newton")
+    assert [ln for ln in r.stderr.splitlines() if ln.strip()] == ["error: --orthogonalizer: invalid choice (see --help)"]
+
+
+def test_bad_trainer_flags_stop_before_the_fineweb_download(box):
+    r = box.gpus(8).run("--orthogonalizer", "newton", STUB_CHECK_RC="2")
+    assert r.returncode == 2
+    assert box.commands() == [REQS, GPU_REQS, check_flags("--orthogonalizer", "newton")]
     assert [ln for ln in r.stderr.splitlines() if ln.strip()] == ["error: --orthogonalizer: invalid choice (see --help)"]
 
 
@@ -235,7 +248,7 @@ def test_default_data_path_still_downloads(box, args):
 def test_gpu_extras_that_fail_to_install_are_skipped_with_one_line(box):
     r = box.gpus(8).run(STUB_GPU_PIP_RC="1")
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [REQS, GPU_REQS, DOWNLOAD, check(), torchrun(8)]
+    assert box.commands() == [REQS, GPU_REQS, check_flags(), DOWNLOAD, check(), torchrun(8)]
     lines = [line for line in r.stdout.splitlines() if "requirements-gpu.txt" in line]
     assert len(lines) == 1 and "carrying on" in lines[0]
 
@@ -243,7 +256,7 @@ def test_gpu_extras_that_fail_to_install_are_skipped_with_one_line(box):
 def test_gpu_extras_need_cuda_13_torch(box):
     r = box.gpus(8).run(STUB_CUDA="12.8")
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [REQS, DOWNLOAD, check(), torchrun(8)]
+    assert box.commands() == [REQS, check_flags(), DOWNLOAD, check(), torchrun(8)]
     assert "skipping requirements-gpu.txt" in r.stdout and "CUDA 12.8" in r.stdout
 
 
