@@ -445,7 +445,7 @@ def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: f
     block_t, block_v, warps = tile or Hyperparameters.ce_backward_tile
     assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
     _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
-        logits, lse, targets, grad, out, out_t, T, V, grad_s, 1.0 / grad_s, BLOCK_T=block_t, BLOCK_V=block_v,
+        logits, lse, targets, grad, out, out_t, T, V, grad_s, BLOCK_T=block_t, BLOCK_V=block_v,
         ROUND_BF16=round_bf16, FP8=fp8, FAST_MATH=fast_math, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
 
 
@@ -521,7 +521,7 @@ if triton is not None:
             return 2.0 * tl.sigmoid(2.0 * y) - 1.0
 
     @triton.jit
-    def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s, inv_grad_s,
+    def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
                                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
                                     ROUND_BF16: tl.constexpr, FP8: tl.constexpr,
                                     FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
@@ -558,7 +558,7 @@ if triton is not None:
         if ROUND_BF16:
             g = g.to(tl.bfloat16).to(tl.float32)
         if FAST_MATH:
-            g = g * inv_grad_s
+            g = g * (1.0 / grad_s)
         else:
             g = g / grad_s
         if FP8:
@@ -918,6 +918,14 @@ def kernel_config(kind: str, n: int, m: int, k: int, dtype, tiles: dict = None) 
 if triton is not None:
 
     @triton.jit
+    def _dot_acc(a, b, acc, IEEE: tl.constexpr):
+        # acc += a·b; IEEE: exact fp32 products (fp32 inputs: tests, references) instead of TF32
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
     def _sym_gram_kernel(X, C, M, K, alpha, beta,
                          s_xb, s_xm, s_xk, s_cb, s_cm, s_cn,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -949,10 +957,7 @@ if triton is not None:
                 kk = k0 + offk
                 a = tl.load(a_ptr, mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
                 b = tl.load(b_ptr, mask=(cols[None, :] < M) & (kk[:, None] < K), other=0.0)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = _dot_acc(a, b, acc, IEEE)
             a_ptr += BLOCK_K * s_xk
             b_ptr += BLOCK_K * s_xk
         mask = (rows[:, None] < M) & (cols[None, :] < M)
@@ -1001,10 +1006,7 @@ if triton is not None:
                 kk = k0 + offk
                 b = tl.load(b_ptr, mask=(rows[:, None] < M) & (kk[None, :] < M), other=0.0)
                 x = tl.load(x_ptr, mask=(kk[:, None] < M) & (cols[None, :] < K), other=0.0)
-            if IEEE:
-                acc = tl.dot(b, x, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(b, x, acc)
+            acc = _dot_acc(b, x, acc, IEEE)
             b_ptr += BLOCK_K * s_bn
             x_ptr += BLOCK_K * s_xm
         tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_ck, acc.to(C.dtype.element_ty), mask=out_mask)

@@ -187,19 +187,29 @@ def test_fused_backward_op_fake_kernels_report_the_real_shapes_and_strides():
     assert torch.equal(real[1].view(torch.uint8), real[0].t().contiguous().view(torch.uint8))
 
 
-CE_KERNEL_SCRIPT = """
+# Inputs shared by the interpreter scripts below: fp32 logits (the interpreter mangles bf16), their softcapped
+# log-sum-exp, and the float64 gradient of the summed softcapped CE, divided by grad_s.
+CE_CASE = """
 import json, torch, train_gpt as tg
-assert tg._TRITON_INTERPRET
-out = []
-for t, v in [(128, 256), (100, 300), (1, 17), (130, 129)]:
+
+
+def ce_case(t, v):
     g = torch.Generator().manual_seed(t + v)
-    logits = torch.randn(t, v, generator=g) * 8          # fp32/fp16 only: the interpreter mangles bf16
+    logits = torch.randn(t, v, generator=g) * 8
     targets = torch.randint(0, v, (t,), generator=g)
     lse = torch.exp(30 * torch.sigmoid(logits / 7.5)).sum(-1).log()
     grad = torch.tensor(0.125)
     s = torch.sigmoid(logits.double() / 7.5)
     ref = 0.125 * (torch.exp(30 * s - lse.double()[:, None]) - torch.nn.functional.one_hot(targets, v)) * 4 * s * (1 - s)
-    ref = ref / tg.FP8_GRAD_SCALE
+    return logits, targets, lse, grad, ref / tg.FP8_GRAD_SCALE
+"""
+
+
+CE_KERNEL_SCRIPT = CE_CASE + """
+assert tg._TRITON_INTERPRET
+out = []
+for t, v in [(128, 256), (100, 300), (1, 17), (130, 129)]:
+    logits, targets, lse, grad, ref = ce_case(t, v)
     o, o_t = torch.full((t, v), float("nan")), torch.full((v, t), float("nan"))
     tg.launch_softcap_ce_backward(logits, lse, targets, grad, o, o_t, tg.FP8_GRAD_SCALE, round_bf16=False, fp8=False)
     q, q_t = torch.zeros(t, v, dtype=torch.uint8), torch.zeros(v, t, dtype=torch.uint8)
@@ -233,18 +243,10 @@ def test_softcap_ce_backward_kernel_matches_float64_and_writes_both_layouts():
         assert row["fp8_exact_share"] > 0.8, row
 
 
-CE_FAST_MATH_SCRIPT = """
-import json, torch, train_gpt as tg
+CE_FAST_MATH_SCRIPT = CE_CASE + """
 out = []
 for t, v in [(128, 256), (100, 300)]:
-    g = torch.Generator().manual_seed(t * v)
-    logits = torch.randn(t, v, generator=g) * 8
-    targets = torch.randint(0, v, (t,), generator=g)
-    lse = torch.exp(30 * torch.sigmoid(logits / 7.5)).sum(-1).log()
-    grad = torch.tensor(0.125)
-    s = torch.sigmoid(logits.double() / 7.5)
-    ref = 0.125 * (torch.exp(30 * s - lse.double()[:, None]) - torch.nn.functional.one_hot(targets, v)) * 4 * s * (1 - s)
-    ref = ref / tg.FP8_GRAD_SCALE
+    logits, targets, lse, grad, ref = ce_case(t, v)
     res = {}
     for fast in (False, True):
         o, o_t = torch.full((t, v), float("nan")), torch.full((v, t), float("nan"))
