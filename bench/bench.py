@@ -7,7 +7,9 @@ every kernel are the real run's). Measures, in this order:
   * cold start: process start -> end of the kernel warm-up (every train and eval graph compiled), i.e. the moment
     the real script starts its timed loop; with --cached-start a second process measures it again with the
     Inductor/Triton caches this one left behind
-  * per batch-size stage: median ms/step over --steps steps (CUDA-synchronised per step), tokens/s, MFU, peak memory.
+  * per batch-size stage: median ms/step over --steps steps (CUDA-synchronised per step), the host's enqueue time
+    per step (close to the step time = bound by the CPU), tokens/s, MFU, peak memory; with --profile-stages, one
+    profiled step of the stages named (GPU idle time, top kernels, host time by op).
     The timed steps run under train_gpt.no_compiles_allowed(): any recompilation there aborts the benchmark
   * NorMuon step alone, DistAdam step alone (same model, real gradients)
   * the orthogonalizer alone on the real NorMuon stacks (their momentum buffers): Polar Express vs Turbo-Muon,
@@ -106,13 +108,22 @@ def bf16_peak_flops(n: int = 8192) -> float:
 
 def timed(fn, repeats: int) -> list:
     """Wall time of each call in ms, synchronised around every call."""
+    return [wall for wall, _ in timed_with_host(fn, repeats)]
+
+
+def timed_with_host(fn, repeats: int) -> list:
+    """(wall ms, host ms) of each call, synchronised around every call. The host time is how long the CPU took to
+    enqueue the call's work (until fn returned). Well below the wall time, the GPU is the bottleneck; close to it,
+    either the CPU is, or it ran far enough ahead to block on CUDA's launch queue: the profile's GPU idle time
+    tells which."""
     out = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         t = time.perf_counter()
         fn()
+        host = time.perf_counter() - t
         torch.cuda.synchronize()
-        out.append(1000 * (time.perf_counter() - t))
+        out.append((1000 * (time.perf_counter() - t), 1000 * host))
     return out
 
 
@@ -169,7 +180,10 @@ def folder_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2 ** 20
 
 
-def measure_stages(trainer, args, steps: int, n_params: int, peak: float) -> list:
+def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profile_stages=(),
+                   profile_stem: Path = None) -> list:
+    """Median step time per stage; for the stage numbers in profile_stages, also one profiled step written to
+    <profile_stem>_stage<N>.txt (GPU busy/idle, top kernels, host time by op)."""
     rows, previous_long, step = [], args.ws_schedule[0], 0
     for stage_no, stage in enumerate(tg.stages(args), start=1):  # the extension is number 4: no reference
         name, bs = stage.name, stage.batch_size
@@ -184,16 +198,22 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float) -> lis
             trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, trainer.rt.grad_accum_steps)
             step += 1
         with tg.no_compiles_allowed():
-            times = timed(one_step, steps + 2)[2:]  # the first two refill the loader's queue
+            walls_hosts = timed_with_host(one_step, steps + 2)[2:]  # the first two refill the loader's queue
+            if stage_no in profile_stages:
+                profile_path = Path(f"{profile_stem}_stage{stage_no}.txt")
+                profile_path.write_text(profiled(one_step, f"bench: a stage-{stage_no} step ({name}), world size 1"))
+        times = [w for w, _ in walls_hosts]
         ms = statistics.median(times)
+        host_ms = statistics.median(h for _, h in walls_hosts)
         rows.append(dict(name=name, tokens_per_step=bs, windows=f"{stage.ws_short},{stage.ws_long}", steps=len(times),
                          median_ms=ms, mean_ms=statistics.fmean(times), min_ms=min(times), max_ms=max(times),
+                         host_ms=host_ms,
                          tokens_per_s=bs / (ms / 1000), mfu=mfu(bs / (ms / 1000), n_params, peak),
                          mfu_vs_798=mfu(bs / (ms / 1000), n_params, REFERENCE_PEAK_TFLOPS * 1e12),
                          peak_allocated_gib=torch.cuda.max_memory_allocated() / 2 ** 30,
                          peak_reserved_gib=torch.cuda.max_memory_reserved() / 2 ** 30,
                          reference_ms=REFERENCE_H100_MS.get(stage_no)))
-        print(f"{name}: {ms:.1f} ms/step (median of {len(times)})", flush=True)
+        print(f"{name}: {ms:.1f} ms/step (median of {len(times)}; host enqueue {host_ms:.1f} ms)", flush=True)
     return rows
 
 
@@ -262,13 +282,24 @@ def count_host_syncs(trainer, args) -> dict:
     return dict(count=len(syncs), first=syncs[:3])
 
 
-def measure_profile(trainer, args, out_path: Path) -> str:
+def host_time_by_op(prof, rows: int = 20) -> str:
+    """The ops that took the CPU longest (self time: what the op's own code cost, its children excluded); custom
+    ops that call Python kernels libraries (FA4, quack) show their whole dispatch here."""
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
+    return "host time by op (CPU self time, profiler overhead included):\n" + table
+
+
+def profiled(step, title: str) -> str:
     from torch.profiler import ProfilerActivity, profile
-    step = stage3_step(trainer, args)
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    text = tg.summarize_profile(prof, "bench: stage-3 step (odd: NorMuon + DistAdam), world size 1")
+    return tg.summarize_profile(prof, title) + "\n" + host_time_by_op(prof)
+
+
+def measure_profile(trainer, args, out_path: Path) -> str:
+    text = profiled(stage3_step(trainer, args), "bench: stage-3 step (odd: NorMuon + DistAdam), world size 1")
     out_path.write_text(text)
     return text
 
@@ -310,6 +341,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stages-only", action="store_true",
                     help="cold start and per-stage timings only (no optimizer, orthogonalizer, profile; "
                          "--cached-start still applies)")
+    ap.add_argument("--profile-stages", default="",
+                    help="comma-separated stage numbers (1-4): profile one step of each after its timing, written "
+                         "to <out>_profile_stage<N>.txt (works with --stages-only)")
     ap.add_argument("train_flags", nargs="*", metavar="-- TRAIN_FLAGS",
                     help="train_gpt.py flags for an A/B, after `--` (e.g. -- --attn-backend varlen --fp8 off)")
     a = ap.parse_args(argv)
@@ -355,7 +389,10 @@ def main(argv=None) -> int:
         attn_backend=trainer.rt.attn_backend, fp8=trainer.rt.fp8)
     result["cold_start"] = cold
     result["timed_steps_recompiles"] = "none: every timed step ran under train_gpt.no_compiles_allowed()"
-    result["stages"] = measure_stages(trainer, args, a.steps, n_params, peak)
+    profile_stages = tuple(int(n) for n in a.profile_stages.split(",") if n.strip())
+    result["stages"] = measure_stages(trainer, args, a.steps, n_params, peak, profile_stages,
+                                      out.with_name(out.stem + "_profile"))
+    result["stage_profiles"] = [f"{out.stem}_profile_stage{n}.txt" for n in profile_stages]
     result["host_syncs_in_a_stage3_step"] = count_host_syncs(trainer, args)
     out.write_text(json.dumps(result, indent=1))  # partial results survive a later failure
     if not a.stages_only:

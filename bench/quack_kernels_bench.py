@@ -14,8 +14,8 @@ whether its numbers agree within bf16 rounding:
   gram     Polar Express's symmetric products on the NorMuon stacks (40 x 768 x 768, 22 x 768 x 3072):
            our Triton xxt / ba_plus_cAA against quack gemm_symmetric and torch.bmm
   rmsnorm  the trunk's weightless RMS norm (T x 768) forward+backward: Inductor against quack's rmsnorm
-  host     host time to enqueue one MLP forward+backward while the GPU is kept busy (pure dispatch cost: what
-           decides whether a stage with little GPU work per step becomes bound by the CPU)
+  host     host time per call while the GPU is kept busy (pure dispatch cost, what decides whether a stage with
+           little GPU work per step becomes bound by the CPU): cuBLAS, quack's GEMMs, the MLP op, FA4's ops
 Times are medians of CUDA-event timings (triton.testing.do_bench). Each section that fails records its error.
 """
 import argparse
@@ -186,26 +186,59 @@ def section_rmsnorm() -> list:
     return rows
 
 
+def host_us_per_call(fn, calls: int = 40) -> float:
+    """CPU time to enqueue one call of fn while the GPU is kept busy (so that nothing waits for the GPU)."""
+    for _ in range(3):  # compiled, plans cached
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work ahead of the calls: they only enqueue
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
 def section_host(calls: int = 40) -> list:
-    rows = []
+    """Host microseconds per call at stage 1's micro-batch (16,384 tokens), where a step has the least GPU work
+    to hide the CPU behind: each Python-dispatched kernel library call against a plain cuBLAS call."""
+    T = TOKENS[0]
+    q = tg.quack_gemm()
+    x, w_fc, w_proj = (torch.randn(*s, device="cuda").bfloat16().requires_grad_()
+                       for s in ((T, D), (4 * D, D), (4 * D, D)))
+    grad = torch.randn(T, D, device="cuda").bfloat16()
+    pre = (x @ w_fc.T).detach()
     compiled = torch.compile(inductor_mlp, dynamic=False, fullgraph=True)
-    for T in TOKENS[:1]:
-        x, w_fc, w_proj = (torch.randn(*s, device="cuda").bfloat16().requires_grad_()
-                           for s in ((T, D), (4 * D, D), (4 * D, D)))
-        grad = torch.randn(T, D, device="cuda").bfloat16()
-        row = dict(tokens=T, calls=calls)
-        for name, fn in (("inductor", compiled), ("quack", quack_mlp)):
-            for _ in range(3):  # compiled, plans cached
-                fn(x, w_fc, w_proj).backward(grad)
-            torch.cuda.synchronize()
-            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work ahead of the calls: they only enqueue
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn(x, w_fc, w_proj).backward(grad)
-            row[f"{name}_host_us_per_fwd_bwd"] = (time.perf_counter() - t0) / calls * 1e6
-            torch.cuda.synchronize()
-        rows.append(row)
-    return rows
+    row = dict(tokens=T, calls=calls)
+    cases = dict(
+        cublas_mm=lambda: torch.mm(x.detach(), w_fc.detach().T),
+        quack_gemm_act=lambda: q.gemm_act(x.detach(), w_fc.detach().mT, activation="relu_sq", tuned=False),
+        quack_gemm_dact=lambda: q.gemm_dact(grad, w_proj.detach().mT, pre, activation="relu_sq", tuned=False),
+        relu2_mlp_op_forward=lambda: torch.ops.speedrun.relu2_mlp(x.detach(), w_fc.detach(), w_proj.detach()),
+        relu2_mlp_op_backward=lambda: torch.ops.speedrun.relu2_mlp_backward(grad, x.detach(), w_fc.detach(),
+                                                                           w_proj.detach(), pre),
+        inductor_mlp_fwd_bwd=lambda: compiled(x, w_fc, w_proj).backward(grad),
+        quack_mlp_fwd_bwd=lambda: quack_mlp(x, w_fc, w_proj).backward(grad),
+    )
+    try:  # the other Python-dispatched library of a step: FlashAttention-4, through the trainer's ops
+        tg.fa4_on_this_gpu()
+        heads, hd = 6, 128
+        qq, kk, vv = (torch.randn(T, heads, hd, device="cuda").bfloat16() for _ in range(3))
+        cu = torch.arange(0, T + 1, 512, device="cuda", dtype=torch.int32)
+        params = torch.tensor([[hd ** -0.5, 384.0]])
+        out, lse = torch.ops.speedrun.fa4_varlen(qq, kk, vv, cu, 512, params, 0)
+        cases["fa4_op_forward"] = lambda: torch.ops.speedrun.fa4_varlen(qq, kk, vv, cu, 512, params, 0)
+        cases["fa4_op_backward"] = lambda: torch.ops.speedrun.fa4_varlen_backward(out, qq, kk, vv, out, lse, cu, 512,
+                                                                                  params, 0)
+    except Exception as e:
+        row["fa4"] = f"not measured ({type(e).__name__}: {e})"[:300]
+    for name, fn in cases.items():
+        try:
+            row[f"{name}_host_us"] = host_us_per_call(fn, calls)
+        except Exception as e:
+            row[f"{name}_host_us"] = f"{type(e).__name__}: {e}"[:300]
+    return [row]
 
 
 def main(argv=None) -> int:

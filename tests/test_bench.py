@@ -143,3 +143,17 @@ def test_format_table_reports_the_backend_and_host_syncs():
                                   cache_mb_after=150.0),
                   host_syncs_in_a_stage3_step=dict(count=0, first=[]))
     assert "attention fa4; synchronising CUDA calls in a stage-3 step: 0" in bench.format_table(result)
+
+
+def test_host_time_by_op_ranks_the_ops_that_cost_the_cpu_most():
+    from torch.profiler import ProfilerActivity, profile
+    a = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            torch.mm(a, a)
+        torch.relu(a)
+    text = bench.host_time_by_op(prof, rows=5)
+    assert text.startswith("host time by op")
+    body = text.split("\n", 1)[1]
+    assert "aten::mm" in body and "aten::relu" in body
+    assert body.index("aten::mm") < body.index("aten::relu")  # five 256^3 matmuls cost more than one relu
