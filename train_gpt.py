@@ -134,11 +134,11 @@ class Hyperparameters:
     fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA", ("auto", "on", "off"))
     fused_fp8_head: bool = setting(True, "FP8 lm_head + softcapped cross-entropy with one fused Triton backward")
     ce_backward_tile: tuple = setting((32, 128, 4), "BLOCK_T,BLOCK_V,WARPS of the fused cross-entropy backward")
-    ce_fast_math: bool = setting(False, "fused cross-entropy backward: sigmoid through the GPU's tanh.approx and "
-                                        "multiplications instead of divisions (fewer special-function instructions)")
-    mlp_kernel: str = setting("inductor", "ReLU² MLP kernels: Inductor's (cuBLAS + fused pointwise) or quack's fused "
-                                          "GEMM+activation (pip install quack-kernels; Hopper/Blackwell)",
-                              ("inductor", "quack"))
+    ce_fast_math: bool = setting(True, "fused cross-entropy backward: sigmoid through the GPU's tanh.approx and "
+                                       "multiplications instead of divisions (fewer special-function instructions)")
+    mlp_kernel: str = setting("auto", "ReLU² MLP kernels: quack's fused GEMM+activation (pip install quack-kernels; "
+                                      "Hopper/Blackwell) or Inductor's (cuBLAS + fused pointwise); auto: quack where "
+                                      "it imports on such a GPU", ("auto", "quack", "inductor"))
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
                                      "with this torch/triton/GPU, written after the warm-up when not; empty: off")
@@ -1657,17 +1657,20 @@ relu2_mlp.register_autograd(_relu2_mlp_backward_rule, setup_context=_relu2_mlp_s
 
 
 def resolve_mlp_kernel(requested: str, device_type: str) -> str:
-    """quack is opt-in: on an H100 it is faster at batch-size stages 2 and 3 but slower at stage 1, which more
-    than cancels the gain over a whole run (bench/RESULTS.md). A quack request that cannot work is an error."""
-    if requested == "quack":
-        try:
-            if device_type != "cuda":
-                raise RuntimeError("it needs a CUDA GPU")
-            quack_on_this_gpu()
-        except Exception as e:
-            raise ConfigError(f"--mlp-kernel quack unavailable ({type(e).__name__}: {e}); pip install "
-                              "quack-kernels (Hopper or Blackwell) or use --mlp-kernel inductor") from None
-    return requested
+    """auto: quack when it imports on a Hopper or Blackwell GPU (faster than Inductor's at every batch-size stage
+    on an H100, bench/RESULTS.md), Inductor's otherwise. An explicit quack request that cannot work is an error."""
+    if requested == "inductor":
+        return "inductor"
+    try:
+        if device_type != "cuda":
+            raise RuntimeError("it needs a CUDA GPU")
+        quack_on_this_gpu()
+        return "quack"
+    except Exception as e:
+        if requested == "auto":
+            return "inductor"
+        raise ConfigError(f"--mlp-kernel quack unavailable ({type(e).__name__}: {e}); pip install "
+                          "quack-kernels (Hopper or Blackwell) or use --mlp-kernel inductor") from None
 
 
 class MLP(nn.Module):

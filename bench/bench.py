@@ -21,6 +21,7 @@ against the bf16 dense matmul peak measured here on a 8192^3 GEMM.
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import platform
@@ -197,6 +198,7 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
             nonlocal step
             trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, trainer.rt.grad_accum_steps)
             step += 1
+        gc.collect()  # as the trainer does before its timed loop: no gen-2 collection inside the timed steps
         with tg.no_compiles_allowed():
             walls_hosts = timed_with_host(one_step, steps + 2)[2:]  # the first two refill the loader's queue
             if stage_no in profile_stages:

@@ -271,8 +271,8 @@ def test_ce_fast_math_formula_matches_float64_in_the_interpreter():
         assert row["transposed_equal"] and row["all_written"], row
 
 
-def test_ce_fast_math_flag_reaches_the_fused_kernel(monkeypatch):
-    """--ce-fast-math -> LMHead -> the fused head's backward op -> the kernel launch (here a recording stand-in)."""
+def test_ce_fast_math_is_on_by_default_and_the_flag_reaches_the_fused_kernel(monkeypatch):
+    """--ce-fast-math (default on; false turns it off) -> LMHead -> the fused head's backward op -> the kernel launch (here a recording stand-in)."""
     seen = []
 
     def fake_launch(logits, lse, targets, grad, out, out_t, grad_s, round_bf16, fp8, tile=None, fast_math=False):
@@ -281,9 +281,9 @@ def test_ce_fast_math_flag_reaches_the_fused_kernel(monkeypatch):
         out_t.zero_()
     monkeypatch.setattr(tg, "launch_softcap_ce_backward", fake_launch)
     monkeypatch.setattr(tg, "_kernels_usable", lambda t: True)
-    args = tg.parse_args(["--ce-fast-math", "true"])
+    default, off = tg.parse_args([]), tg.parse_args(["--ce-fast-math", "false"])
     x, w, targets = _head_inputs(7)
-    for fast in (args.ce_fast_math, False):
+    for fast in (default.ce_fast_math, off.ce_fast_math):
         head = tg.LMHead(D, 256, fp8=True, fused=True, ce_fast_math=fast)
         with torch.no_grad():
             head.weight.copy_(w)

@@ -76,28 +76,33 @@ def test_quack_mlp_ops_trace_with_their_fakes_forward_and_backward():
     assert [g.shape for g in grads] == [x.shape, w_fc.shape, w_proj.shape]
 
 
-def test_mlp_kernel_defaults_to_inductor_and_quack_is_checked_before_anything_starts(monkeypatch):
-    assert tg.Hyperparameters().mlp_kernel == "inductor"
+def test_mlp_kernel_auto_falls_back_to_inductor_where_quack_cannot_run_and_a_quack_request_is_refused(monkeypatch):
+    assert tg.Hyperparameters().mlp_kernel == "auto"
     assert tg.resolve_mlp_kernel("inductor", "cpu") == "inductor"
+    assert tg.resolve_mlp_kernel("auto", "cpu") == "inductor"
     with pytest.raises(tg.ConfigError, match="--mlp-kernel quack unavailable .*needs a CUDA GPU"):
         tg.resolve_mlp_kernel("quack", "cpu")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setitem(sys.modules, "quack", None)  # not installed
     tg.quack_gemm.cache_clear()
+    assert tg.resolve_mlp_kernel("auto", "cuda") == "inductor"
     with pytest.raises(tg.ConfigError, match="pip install quack-kernels"):
         tg.resolve_mlp_kernel("quack", "cuda")
     tg.quack_gemm.cache_clear()
 
 
-def test_mlp_kernel_quack_runs_where_quack_imports_on_hopper_and_is_refused_on_ampere(monkeypatch):
+def test_mlp_kernel_auto_picks_quack_where_it_imports_on_hopper_but_not_on_ampere(monkeypatch):
     fake = types.ModuleType("quack.gemm_interface")
     monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
     monkeypatch.setitem(sys.modules, "quack.gemm_interface", fake)
     tg.quack_gemm.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert tg.resolve_mlp_kernel("auto", "cuda") == "quack"
     assert tg.resolve_mlp_kernel("quack", "cuda") == "quack"
+    assert tg.resolve_mlp_kernel("inductor", "cuda") == "inductor"  # forced off
     assert tg.quack_gemm() is fake
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert tg.resolve_mlp_kernel("auto", "cuda") == "inductor"
     with pytest.raises(tg.ConfigError, match="compute capability 9.x or 10.x"):
         tg.resolve_mlp_kernel("quack", "cuda")
     tg.quack_gemm.cache_clear()

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from bench import document_lengths  # noqa: E402  (bench/bench.py: the benchmark's synthetic documents)
 from train_gpt import (  # noqa: E402
+    Hyperparameters,
     ATTENTION_BACKENDS,
     FP8_GRAD_SCALE,
     ConfigError,
@@ -152,7 +153,7 @@ def test_fused_fp8_head_matches_the_unfused_path(gpu_results):
         logits = lm_head_fp8(x, w)
         lse = softcap_ce_forward(logits, targets)[1]
         grad = torch.tensor(0.125, device="cuda")
-        k, k_t = softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE)
+        k, k_t = softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, list(Hyperparameters.ce_backward_tile))
         ref, _ = softcap_ce_backward_reference(logits, lse, targets, grad, FP8_GRAD_SCALE)
     r = gpu_results["fused_fp8_head"] = dict(
         shape=[T, d, V], loss_rel_diff=abs((out["fused"][0] - out["unfused"][0]) / out["unfused"][0]).item(),
