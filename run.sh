@@ -75,12 +75,13 @@ setup_gpu() {
     if [ -z "$cuda" ]; then
         die 2 "the installed torch cannot use the GPU (a CPU-only build?); install a CUDA build, e.g. $PY -m pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cu130, then re-run"
     fi
-    # FlashAttention-4 is optional (the trainer falls back to PyTorch's FA2 kernels) and its CuTe DSL is the CUDA 13
-    # build, so it is only tried on CUDA 13 torch, and a failed install does not stop the run.
+    # FlashAttention-4 and quack-kernels are optional (the trainer falls back to PyTorch's FA2 kernels and Inductor's
+    # MLP) and their CuTe DSL is the CUDA 13 build, so they are only tried on CUDA 13 torch, and a failed install
+    # does not stop the run.
     if ! [[ $cuda =~ ^[0-9]+ ]] || [ "${BASH_REMATCH[0]}" -lt 13 ]; then
-        echo "run.sh: skipping requirements-gpu.txt (FlashAttention-4 needs a CUDA 13 build of torch, this one is CUDA $cuda); attention uses PyTorch's FA2 kernels"
+        echo "run.sh: skipping requirements-gpu.txt (FlashAttention-4 and quack-kernels need a CUDA 13 build of torch, this one is CUDA $cuda); attention uses PyTorch's FA2 kernels, the MLP Inductor's"
     elif ! "$PY" -m pip install -q --disable-pip-version-check -r requirements-gpu.txt; then
-        echo "run.sh: requirements-gpu.txt did not install (see above); carrying on without FlashAttention-4 (attention uses PyTorch's FA2 kernels)"
+        echo "run.sh: requirements-gpu.txt did not install (see above); carrying on without FlashAttention-4 and quack-kernels (attention uses PyTorch's FA2 kernels, the MLP Inductor's)"
     fi
 }
 
