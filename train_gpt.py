@@ -136,6 +136,8 @@ class Hyperparameters:
     ce_backward_tile: tuple = setting((32, 128, 4), "BLOCK_T,BLOCK_V,WARPS of the fused cross-entropy backward")
     ce_fast_math: bool = setting(True, "fused cross-entropy backward: sigmoid through the GPU's tanh.approx and "
                                        "multiplications instead of divisions (fewer special-function instructions)")
+    fused_ce_forward: bool = setting(False, "fused FP8 head's training forward: the softcapped log-sum-exp in one "
+                                            "Triton pass (with --ce-fast-math's math) instead of Inductor's reduction")
     mlp_kernel: str = setting("auto", "ReLU² MLP kernels: quack's fused GEMM+activation (pip install quack-kernels; "
                                       "Hopper/Blackwell) or Inductor's (cuBLAS + fused pointwise); auto: quack where "
                                       "it imports on such a GPU", ("auto", "quack", "inductor"))
@@ -449,18 +451,55 @@ def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: f
         ROUND_BF16=round_bf16, FP8=fp8, FAST_MATH=fast_math, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
 
 
+# --- fused forward of softcap + cross-entropy (training head) ----------------------------------------------------
+
+CE_FORWARD_TILE = (4, 1024, 8)  # BLOCK_T, BLOCK_V, num_warps of _softcap_ce_forward_kernel
+
+
+@torch.library.custom_op("speedrun::softcap_ce_forward", mutates_args=())
+def fused_softcap_ce_forward(logits: Tensor, targets: Tensor, fast_math: bool) -> tuple[Tensor, Tensor]:
+    """softcap_ce_forward in one Triton pass over the (T, V) logits: (summed loss, per-token log-sum-exp), fp32."""
+    if not _kernels_usable(logits):
+        return softcap_ce_forward(logits, targets)
+    T = logits.size(0)
+    lse = torch.empty(T, dtype=torch.float32, device=logits.device)
+    per_token = torch.empty(T, dtype=torch.float32, device=logits.device)
+    launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math)
+    return per_token.sum(), lse
+
+
+@fused_softcap_ce_forward.register_fake
+def _(logits, targets, fast_math):
+    return logits.new_empty((), dtype=torch.float32), logits.new_empty((logits.size(0),), dtype=torch.float32)
+
+
+def launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math: bool, tile=None):
+    """Run _softcap_ce_forward_kernel: lse (T,) and per_token (T,) = lse - z_target, both fp32 buffers."""
+    T, V = logits.shape
+    assert logits.is_contiguous()
+    block_t, block_v, warps = tile or CE_FORWARD_TILE
+    assert block_t * V < 2 ** 31, "in-tile offsets are int32"
+    _softcap_ce_forward_kernel[(triton.cdiv(T, block_t),)](
+        logits, targets, lse, per_token, T, V, BLOCK_T=block_t, BLOCK_V=block_v, FAST_MATH=fast_math,
+        PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
+
+
 class FP8LMHeadCrossEntropySum(torch.autograd.Function):
     """Training head with the FP8 lm_head: sum over tokens of CE(30·sigmoid((x Wᵀ)/7.5), targets).
 
     Forward: the FP8 matmul (custom op) and one pass over the logits for the log-sum-exp (traced, so Inductor
-    fuses it). Backward: one Triton pass over the logits writes the e5m2 gradient in both layouts the two FP8
+    fuses it; or, with fused_forward, our Triton pass). Backward: one Triton pass over the logits writes the e5m2 gradient in both layouts the two FP8
     GEMMs need, replacing the softcap/CE backward kernel, its bf16 gradient tensor, the cast and the separate
     transpose of the unfused path (lm_head_fp8 + softcapped_cross_entropy_sum, which computes the same function)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, tile: tuple, fast_math: bool) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, tile: tuple, fast_math: bool,
+                fused_forward: bool) -> Tensor:
         logits, x_f8, w_f8 = torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
-        loss, lse = softcap_ce_forward(logits, targets)
+        if fused_forward:
+            loss, lse = torch.ops.speedrun.softcap_ce_forward(logits, targets, fast_math)
+        else:
+            loss, lse = softcap_ce_forward(logits, targets)
         ctx.save_for_backward(logits, targets, lse, x_f8, w_f8)
         ctx.tile, ctx.fast_math = list(tile), fast_math
         return loss
@@ -472,12 +511,13 @@ class FP8LMHeadCrossEntropySum(torch.autograd.Function):
                                                               ctx.fast_math)
         grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward_pretransposed(
             g_f8, g_f8_t, x_f8.t().contiguous(), w_f8.t().contiguous(), FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def fp8_lm_head_cross_entropy_sum(x: Tensor, w: Tensor, targets: Tensor,
-                                  tile: tuple = Hyperparameters.ce_backward_tile, fast_math: bool = False) -> Tensor:
-    return FP8LMHeadCrossEntropySum.apply(x, w, targets, tuple(tile), fast_math)
+                                  tile: tuple = Hyperparameters.ce_backward_tile, fast_math: bool = False,
+                                  fused_forward: bool = False) -> Tensor:
+    return FP8LMHeadCrossEntropySum.apply(x, w, targets, tuple(tile), fast_math, fused_forward)
 
 
 def transpose_bytes(x: Tensor) -> Tensor:
@@ -568,6 +608,37 @@ if triton is not None:
         tl.store(out + tile + (r[:, None] * V + c[None, :]), q, mask=mask)
         tl.store(out_t + tile_t + (c[:, None] * T + r[None, :]), tl.trans(q), mask=tl.trans(mask))
 
+    @triton.jit
+    def _softcap_ce_forward_kernel(logits, targets, lse, per_token, T, V,
+                                   BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                                   FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
+        # BLOCK_T rows of the (T, V) logits, swept in BLOCK_V-wide chunks: lse = log sum_v exp(30·s(logit/7.5)) with
+        # no max pass (the softcap bounds z below 30), then per_token = lse - z_target. Multiplications replace the
+        # divisions (a full-precision division is a dozen instructions) and exp(30·s) is one exp2; FAST_MATH takes
+        # the sigmoid from tanh.approx, as the fused backward does. The target's term keeps the exact sigmoid.
+        row0 = tl.program_id(0) * BLOCK_T
+        r = tl.arange(0, BLOCK_T)
+        rows = row0 + r
+        rmask = rows < T
+        base = row0.to(tl.int64) * V
+        acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for col0 in range(0, V, BLOCK_V):
+            cols = col0 + tl.arange(0, BLOCK_V)
+            mask = rmask[:, None] & (cols[None, :] < V)
+            x = tl.load(logits + base + (r[:, None] * V + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
+            if FAST_MATH:
+                s = 0.5 + 0.5 * _tanh_approx(x * (0.5 / 7.5), PTX_TANH)
+            else:
+                s = 1.0 / (1.0 + tl.exp2(x * (-1.4426950408889634 / 7.5)))
+            e = tl.exp2(s * (30.0 * 1.4426950408889634))
+            acc += tl.sum(tl.where(mask, e, 0.0), axis=1)
+        row_lse = tl.log(acc)
+        target = tl.load(targets + rows, mask=rmask, other=0)
+        x_t = tl.load(logits + rows.to(tl.int64) * V + target, mask=rmask, other=0.0).to(tl.float32)
+        z_t = 30.0 * tl.sigmoid(x_t / 7.5)
+        tl.store(lse + rows, row_lse, mask=rmask)
+        tl.store(per_token + rows, row_lse - z_t, mask=rmask)
+
 
 class SoftcappedCrossEntropySum(torch.autograd.Function):
     """sum over tokens of cross_entropy(30·sigmoid(logits/7.5)), in fp32: F.cross_entropy's function, cheaper
@@ -596,16 +667,18 @@ class LMHead(nn.Module):
     backward is the one Triton pass (FP8LMHeadCrossEntropySum), else the same function in separate ops."""
 
     def __init__(self, dim: int, vocab_size: int, fp8: bool = False, fused: bool = True,
-                 ce_backward_tile: tuple = Hyperparameters.ce_backward_tile, ce_fast_math: bool = False):
+                 ce_backward_tile: tuple = Hyperparameters.ce_backward_tile, ce_fast_math: bool = False,
+                 fused_ce_forward: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.bfloat16))  # zero init: loss ln(V)
         self.fp8, self.fused, self.ce_backward_tile = fp8, fused, tuple(ce_backward_tile)
-        self.ce_fast_math = ce_fast_math
+        self.ce_fast_math, self.fused_ce_forward = ce_fast_math, fused_ce_forward
 
     def forward(self, x: Tensor, targets: Tensor) -> Tensor:
         if self.training and self.fp8:
             if self.fused:
-                return fp8_lm_head_cross_entropy_sum(x, self.weight, targets, self.ce_backward_tile, self.ce_fast_math)
+                return fp8_lm_head_cross_entropy_sum(x, self.weight, targets, self.ce_backward_tile, self.ce_fast_math,
+                                                     self.fused_ce_forward)
             return softcapped_cross_entropy_sum(lm_head_fp8(x, self.weight), targets)
         logits = F.linear(x, self.weight)
         if self.training:
@@ -1722,7 +1795,8 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
         self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim, mlp_kernel) for i in range(L)])
         self.yarn = Yarn(args.head_dim, max_seq_len)
-        self.lm_head = LMHead(d, self.vocab_size, fp8, args.fused_fp8_head, args.ce_backward_tile, args.ce_fast_math)
+        self.lm_head = LMHead(d, self.vocab_size, fp8, args.fused_fp8_head, args.ce_backward_tile, args.ce_fast_math,
+                              args.fused_ce_forward)
         for m in self.modules():  # embeddings, gates and lm_head live in bf16; the big matrices stay fp32
             if isinstance(m, (nn.Embedding, nn.Linear)):
                 m.bfloat16()
@@ -2543,6 +2617,7 @@ class Runtime:
                 f'device={self.device} attn_backend={self.attn_backend} orthogonalizer={args.orthogonalizer} '
                 f'fp8={int(self.fp8)} compile={int(self.compile)} dynamic_seq_len={int(self.dynamic_seq_len)} '
                 f'fused_fp8_head={int(fused_head)} ce_fast_math={int(fused_head and args.ce_fast_math)} '
+                f'fused_ce_forward={int(fused_head and args.fused_ce_forward)} '
                 f'mlp_kernel={self.mlp_kernel} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '

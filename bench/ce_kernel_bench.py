@@ -7,7 +7,11 @@ gradient and its e5m2 cast (compiled), then the tiled transpose_bytes kernel. Ev
 same e5m2 bytes as the PyTorch reference formula (up to a handful of last-bit flips, share reported) and a
 transpose that is exactly the transposed (T, V) output. The default tile also runs with --ce-fast-math (row
 "32,128,4,fast"): its bytes differ where tanh.approx moves a value across an e5m2 rounding boundary; rel_diff is the
-gradient's relative difference from the reference formula."""
+gradient's relative difference from the reference formula.
+
+Then the forward (the log-sum-exp pass): Inductor's compiled softcap_ce_forward, which the trainer traces by
+default, against the Triton pass of --fused-ce-forward at several tiles, exact and fast math; each fused row reports
+its largest log-sum-exp difference from Inductor's and the relative difference of the summed loss."""
 import argparse
 import json
 import sys
@@ -19,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
 
 VARIANTS = [(128, 128, 8), (64, 128, 8), (64, 128, 4), (64, 256, 8), (32, 256, 8), (32, 128, 4), (128, 64, 4)]
+FORWARD_VARIANTS = [(1, 2048, 8), (2, 2048, 8), (4, 1024, 8), (4, 2048, 8), (8, 512, 8), (8, 1024, 8)]
 
 
 def main(argv=None) -> int:
@@ -78,13 +83,49 @@ def main(argv=None) -> int:
           and v["bytes_identical_share"] > 0.9999 and v["transpose_exact"]}  # fast math: judged by its rel_diff
     best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
     choice = best if best and ok[best]["ms"] < rows["unfused"]["ms"] else "unfused"
+    forward, forward_best = forward_rows(logits, targets)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=T, vocab=V, rows=rows,
-                  best=choice, command=" ".join(["python3", *sys.argv]))
+                  best=choice, forward=forward, forward_best=forward_best, command=" ".join(["python3", *sys.argv]))
     Path(a.out).write_text(json.dumps(result, indent=1))
     for name, row in rows.items():
         print(f"{name:>12}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     print(f"best: {choice}")
+    for name, row in forward.items():
+        print(f"forward {name:>14}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                  for k, v in row.items()))
+    print(f"forward best: {forward_best}")
     return 0
+
+
+def forward_rows(logits, targets):
+    """The forward's log-sum-exp pass: Inductor's against our Triton kernel's tiles (exact and fast math)."""
+    import triton.testing
+    T, V = logits.shape
+    inductor = torch.compile(tg.softcap_ce_forward, fullgraph=True, dynamic=False)
+    loss_ref, lse_ref = inductor(logits, targets)
+    rows = {"inductor": dict(ms=triton.testing.do_bench(lambda: inductor(logits, targets), warmup=10, rep=100,
+                                                        return_mode="median"))}
+    lse, per_token = (torch.empty(T, device="cuda") for _ in range(2))
+    for cfg in FORWARD_VARIANTS:
+        for fast in (False, True):
+            name = ",".join(map(str, cfg)) + (",fast" if fast else "")
+
+            def fused(cfg=cfg, fast=fast):
+                tg.launch_softcap_ce_forward(logits, targets, lse, per_token, fast, tile=cfg)
+            try:
+                fused()
+                torch.cuda.synchronize()
+            except Exception as e:
+                rows[name] = dict(error=f"{type(e).__name__}: {e}"[:200])
+                continue
+            rows[name] = dict(ms=triton.testing.do_bench(fused, warmup=10, rep=100, return_mode="median"),
+                              lse_max_abs_diff=(lse - lse_ref).abs().max().item(),
+                              loss_rel_diff=abs(per_token.sum().item() - loss_ref.item()) / abs(loss_ref.item()))
+    for row in rows.values():
+        if "ms" in row:
+            row["GB_per_s"] = T * V * logits.element_size() / (row["ms"] * 1e-3) / 1e9
+    timed = {k: v for k, v in rows.items() if "ms" in v}
+    return rows, min(timed, key=lambda k: timed[k]["ms"])
 
 
 if __name__ == "__main__":

@@ -292,6 +292,91 @@ def test_ce_fast_math_is_on_by_default_and_the_flag_reaches_the_fused_kernel(mon
     assert seen == [True, False]
 
 
+CE_FORWARD_SCRIPT = """
+import json, torch, train_gpt as tg
+assert tg._TRITON_INTERPRET
+out = []
+for t, v, tile in [(128, 256, None), (100, 300, (4, 64, 4)), (1, 17, (2, 16, 1)), (130, 129, (8, 32, 4))]:
+    g = torch.Generator().manual_seed(t + v)
+    logits = torch.randn(t, v, generator=g) * 8
+    targets = torch.randint(0, v, (t,), generator=g)
+    z = 30 * torch.sigmoid(logits.double() / 7.5)
+    ref_lse = torch.logsumexp(z, dim=-1)
+    ref_per_token = ref_lse - z.gather(1, targets[:, None]).squeeze(1)
+    for fast in (False, True):
+        lse, per_token = torch.full((t,), float("nan")), torch.full((t,), float("nan"))
+        tg.launch_softcap_ce_forward(logits, targets, lse, per_token, fast, tile=tile)
+        out.append(dict(shape=[t, v], tile=tile, fast=fast, all_written=not (lse.isnan().any() or per_token.isnan().any()).item(),
+                        lse_rel_err=((lse.double() - ref_lse).abs().max() / ref_lse.abs().max()).item(),
+                        loss_rel_err=((per_token.double() - ref_per_token).abs().max() / ref_per_token.abs().max()).item()))
+    loss, lse = tg.fused_softcap_ce_forward(logits, targets, True)
+    out.append(dict(op_loss_rel_err=abs(loss.item() - ref_per_token.sum().item()) / ref_per_token.sum().item(),
+                    op_shapes=[list(loss.shape), list(lse.shape)], tokens=t))
+print(json.dumps(out))
+"""
+
+
+def test_fused_ce_forward_kernel_matches_float64_for_ragged_tiles_and_both_maths():
+    """The forward's Triton pass in the interpreter: per-token log-sum-exp and loss against float64, several tiles
+    (V swept in chunks, ragged last rows and columns), every row written (NaN-poisoned buffers), exact and fast
+    math (the interpreter's tanh is exact: tanh.approx runs on GPUs only)."""
+    rows = run_in_triton_interpreter(CE_FORWARD_SCRIPT)
+    kernel_rows = [row for row in rows if "lse_rel_err" in row]
+    op_rows = [row for row in rows if "op_loss_rel_err" in row]
+    assert len(kernel_rows) == 8 and len(op_rows) == 4
+    for row in kernel_rows:
+        assert row["all_written"], row
+        assert row["lse_rel_err"] < 1e-6 and row["loss_rel_err"] < 1e-5, row
+    for row in op_rows:  # the custom op: the per-token losses summed, the log-sum-exp per token
+        assert row["op_loss_rel_err"] < 1e-6 and row["op_shapes"] == [[], [row["tokens"]]], row
+
+
+def test_fused_ce_forward_is_off_by_default_and_the_flag_reaches_the_op(monkeypatch):
+    """--fused-ce-forward -> LMHead -> the fused head's forward calls the Triton pass (a recording stand-in that
+    computes softcap_ce_forward), and the loss and gradients equal the traced forward's."""
+    seen = []
+
+    def fake_launch(logits, targets, lse, per_token, fast_math, tile=None):
+        seen.append(fast_math)
+        _, ref_lse = tg.softcap_ce_forward(logits, targets)
+        z_t = 30 * torch.sigmoid(logits.gather(1, targets[:, None]).squeeze(1).float() / 7.5)
+        lse.copy_(ref_lse)
+        per_token.copy_(ref_lse - z_t)
+    monkeypatch.setattr(tg, "launch_softcap_ce_forward", fake_launch)
+    monkeypatch.setattr(tg, "_kernels_usable", lambda t: t.dtype != torch.uint8)  # the e5m2 transpose stays in torch
+    monkeypatch.setattr(tg, "launch_softcap_ce_backward",
+                        lambda logits, lse, targets, grad, out, out_t, grad_s, round_bf16, fp8, tile=None, fast_math=False:
+                        (out.copy_(g := tg.quantize_e5m2(tg.softcap_ce_grad(logits, lse, targets, grad).bfloat16(),
+                                                          grad_s).view(torch.uint8)), out_t.copy_(g.t())))
+    assert tg.parse_args([]).fused_ce_forward is False
+    on = tg.parse_args(["--fused-ce-forward", "true"])
+    x, w, targets = _head_inputs(8)
+    results = []
+    for fused_forward in (False, on.fused_ce_forward):
+        head = tg.LMHead(D, 256, fp8=True, fused=True, ce_fast_math=True, fused_ce_forward=fused_forward)
+        with torch.no_grad():
+            head.weight.copy_(w)
+        head.train()
+        xx = x.detach().clone().requires_grad_()
+        loss = head(xx, targets)
+        loss.backward()
+        results.append((loss.detach(), xx.grad, head.weight.grad))
+    assert seen == [True]
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1]) and torch.equal(results[0][2], results[1][2])
+
+
+def test_fused_ce_forward_fake_kernel_reports_the_real_shapes():
+    logits = torch.randn(48, 384).bfloat16()
+    targets = torch.randint(0, 384, (48,))
+    real = torch.ops.speedrun.softcap_ce_forward(logits, targets, False)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = torch.ops.speedrun.softcap_ce_forward(mode.from_tensor(logits), mode.from_tensor(targets), False)
+    for r, f in zip(real, fake):
+        assert (r.shape, r.dtype) == (f.shape, f.dtype)
+
+
 def test_fp8_scale_tensors_are_made_once_per_value_and_device():
     """torch.tensor(value, device="cuda") blocks the CPU until the GPU is idle: the op's scale tensors must be
     created once, not on every call (six calls per micro-batch)."""

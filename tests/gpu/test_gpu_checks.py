@@ -28,10 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from bench import document_lengths  # noqa: E402  (bench/bench.py: the benchmark's synthetic documents)
 from train_gpt import (  # noqa: E402
-    Hyperparameters,
     ATTENTION_BACKENDS,
     FP8_GRAD_SCALE,
     ConfigError,
+    Hyperparameters,
     attention_reference,
     ax_plus_bx,
     ba_plus_cAA,
@@ -189,6 +189,29 @@ def test_ce_fast_math_changes_the_e5m2_gradient_less_than_its_rounding(gpu_resul
     assert r["g_f8_t_is_transpose"], r
     assert r["g_f8_bytes_identical_share"] > 0.99, r   # not yet measured on a GPU: bound from tanh.approx's 2^-11
     assert r["g_f8_rel_diff"] < 1e-2, r
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_fused_ce_forward_matches_inductors_forward(fast, gpu_results):
+    """--fused-fp8-head's forward pass (--fused-ce-forward) against the traced softcap_ce_forward that Inductor
+    compiles: exact math agrees to fp32 summation order; tanh.approx moves a softcapped logit by at most
+    30 x 2^-12, so the log-sum-exp by less than 1e-2."""
+    torch.manual_seed(0)
+    T, d, V = 16384, 768, 50304
+    x = norm(torch.randn(T, d, device="cuda")).bfloat16()
+    w = (torch.randn(V, d, device="cuda") * 0.05).bfloat16()
+    targets = torch.randint(0, V, (T,), device="cuda")
+    logits = lm_head_fp8(x, w)
+    inductor = torch.compile(softcap_ce_forward, fullgraph=True, dynamic=False)
+    loss_ref, lse_ref = inductor(logits, targets)
+    loss, lse = torch.ops.speedrun.softcap_ce_forward(logits, targets, fast)
+    r = gpu_results[f"fused_ce_forward{'_fast' if fast else ''}"] = dict(
+        lse_max_abs_diff=(lse - lse_ref).abs().max().item(),
+        loss_rel_diff=abs((loss - loss_ref) / loss_ref).item(),
+        ms_inductor=time_ms(lambda: inductor(logits, targets)),
+        ms_fused=time_ms(lambda: torch.ops.speedrun.softcap_ce_forward(logits, targets, fast)))
+    assert r["lse_max_abs_diff"] < (1e-2 if fast else 1e-4), r
+    assert r["loss_rel_diff"] < (1e-3 if fast else 1e-5), r
 
 
 def test_fa4_first_call_compiles_and_runs(gpu_results):
