@@ -488,9 +488,10 @@ class FP8LMHeadCrossEntropySum(torch.autograd.Function):
     """Training head with the FP8 lm_head: sum over tokens of CE(30·sigmoid((x Wᵀ)/7.5), targets).
 
     Forward: the FP8 matmul (custom op) and one pass over the logits for the log-sum-exp (traced, so Inductor
-    fuses it; or, with fused_forward, our Triton pass). Backward: one Triton pass over the logits writes the e5m2 gradient in both layouts the two FP8
-    GEMMs need, replacing the softcap/CE backward kernel, its bf16 gradient tensor, the cast and the separate
-    transpose of the unfused path (lm_head_fp8 + softcapped_cross_entropy_sum, which computes the same function)."""
+    fuses it; with fused_forward, our Triton pass instead). Backward: one Triton pass over the logits writes the
+    e5m2 gradient in both layouts the two FP8 GEMMs need, replacing the softcap/CE backward kernel, its bf16
+    gradient tensor, the cast and the separate transpose of the unfused path (lm_head_fp8 +
+    softcapped_cross_entropy_sum, which computes the same function)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, tile: tuple, fast_math: bool,
@@ -1730,8 +1731,9 @@ relu2_mlp.register_autograd(_relu2_mlp_backward_rule, setup_context=_relu2_mlp_s
 
 
 def resolve_mlp_kernel(requested: str, device_type: str) -> str:
-    """auto: quack when it imports on a Hopper or Blackwell GPU (faster than Inductor's at every batch-size stage
-    on an H100, bench/RESULTS.md), Inductor's otherwise. An explicit quack request that cannot work is an error."""
+    """auto: quack when it imports on a Hopper or Blackwell GPU (faster than Inductor's wherever the GPU is the
+    limit; stage 1 is bound by the host with either, bench/RESULTS.md), Inductor's otherwise. An explicit quack
+    request that cannot work is an error."""
     if requested == "inductor":
         return "inductor"
     try:
