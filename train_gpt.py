@@ -562,6 +562,15 @@ if triton is not None:
             return 2.0 * tl.sigmoid(2.0 * y) - 1.0
 
     @triton.jit
+    def _softcap_sigmoid(x, FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
+        # s = sigmoid(logit/7.5), the softcap's z = 30·s. FAST_MATH: (1 + tanh(logit/15))/2 with tanh.approx, one
+        # special-function instruction instead of an exponential and a full-precision division.
+        if FAST_MATH:
+            return 0.5 + 0.5 * _tanh_approx(x * (0.5 / 7.5), PTX_TANH)
+        else:
+            return tl.sigmoid(x / 7.5)
+
+    @triton.jit
     def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
                                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
                                     ROUND_BF16: tl.constexpr, FP8: tl.constexpr,
@@ -572,9 +581,8 @@ if triton is not None:
         # (T, V) for dX and transposed as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous). One read of
         # the logits and two 1-byte writes per element; both stores are coalesced (the transpose goes through
         # shared memory). FP8=False stores the fp32 values instead (tests), ROUND_BF16=False skips the rounding.
-        # FAST_MATH: sigmoid(y) = (1 + tanh(y/2))/2 with tanh.approx (one instruction instead of an exponential and
-        # a full-precision division) and multiplications by 1/7.5 and 1/grad_s instead of divisions; the error it
-        # adds is far below the e5m2 rounding that follows.
+        # FAST_MATH: the sigmoid through tanh.approx (_softcap_sigmoid) and a multiplication by 1/grad_s instead of
+        # a division; the error it adds is far below the e5m2 rounding that follows.
         row0 = tl.program_id(0) * BLOCK_T
         col0 = tl.program_id(1) * BLOCK_V
         r = tl.arange(0, BLOCK_T)   # in-tile offsets stay int32; only the tile bases are 64-bit
@@ -589,10 +597,7 @@ if triton is not None:
         row_lse = tl.load(lse + rows, mask=rmask, other=0.0)
         row_target = tl.load(targets + rows, mask=rmask, other=-1)
         scale = tl.load(grad).to(tl.float32)
-        if FAST_MATH:
-            s = 0.5 + 0.5 * _tanh_approx(x * (0.5 / 7.5), PTX_TANH)
-        else:
-            s = tl.sigmoid(x / 7.5)
+        s = _softcap_sigmoid(x, FAST_MATH, PTX_TANH)
         p = tl.exp(30.0 * s - row_lse[:, None])
         onehot = (cols[None, :] == row_target[:, None]).to(tl.float32)
         g = scale * (p - onehot) * 4.0 * s * (1.0 - s)
@@ -614,9 +619,9 @@ if triton is not None:
                                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
                                    FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
         # BLOCK_T rows of the (T, V) logits, swept in BLOCK_V-wide chunks: lse = log sum_v exp(30·s(logit/7.5)) with
-        # no max pass (the softcap bounds z below 30), then per_token = lse - z_target. Multiplications replace the
-        # divisions (a full-precision division is a dozen instructions) and exp(30·s) is one exp2; FAST_MATH takes
-        # the sigmoid from tanh.approx, as the fused backward does. The target's term keeps the exact sigmoid.
+        # no max pass (the softcap bounds z below 30), then per_token = lse - z_target. exp(30·s) is one exp2 with
+        # the constant folded; FAST_MATH takes the sigmoid from tanh.approx, as the fused backward does. The
+        # target's term keeps the exact sigmoid.
         row0 = tl.program_id(0) * BLOCK_T
         r = tl.arange(0, BLOCK_T)
         rows = row0 + r
@@ -627,16 +632,13 @@ if triton is not None:
             cols = col0 + tl.arange(0, BLOCK_V)
             mask = rmask[:, None] & (cols[None, :] < V)
             x = tl.load(logits + base + (r[:, None] * V + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
-            if FAST_MATH:
-                s = 0.5 + 0.5 * _tanh_approx(x * (0.5 / 7.5), PTX_TANH)
-            else:
-                s = 1.0 / (1.0 + tl.exp2(x * (-1.4426950408889634 / 7.5)))
+            s = _softcap_sigmoid(x, FAST_MATH, PTX_TANH)
             e = tl.exp2(s * (30.0 * 1.4426950408889634))
             acc += tl.sum(tl.where(mask, e, 0.0), axis=1)
         row_lse = tl.log(acc)
         target = tl.load(targets + rows, mask=rmask, other=0)
         x_t = tl.load(logits + rows.to(tl.int64) * V + target, mask=rmask, other=0.0).to(tl.float32)
-        z_t = 30.0 * tl.sigmoid(x_t / 7.5)
+        z_t = 30.0 * _softcap_sigmoid(x_t, False, PTX_TANH)
         tl.store(lse + rows, row_lse, mask=rmask)
         tl.store(per_token + rows, row_lse - z_t, mask=rmask)
 

@@ -344,10 +344,12 @@ def test_fused_ce_forward_is_off_by_default_and_the_flag_reaches_the_op(monkeypa
         per_token.copy_(ref_lse - z_t)
     monkeypatch.setattr(tg, "launch_softcap_ce_forward", fake_launch)
     monkeypatch.setattr(tg, "_kernels_usable", lambda t: t.dtype != torch.uint8)  # the e5m2 transpose stays in torch
-    monkeypatch.setattr(tg, "launch_softcap_ce_backward",
-                        lambda logits, lse, targets, grad, out, out_t, grad_s, round_bf16, fp8, tile=None, fast_math=False:
-                        (out.copy_(g := tg.quantize_e5m2(tg.softcap_ce_grad(logits, lse, targets, grad).bfloat16(),
-                                                          grad_s).view(torch.uint8)), out_t.copy_(g.t())))
+
+    def reference_backward(logits, lse, targets, grad, out, out_t, grad_s, round_bf16, fp8, tile=None, fast_math=False):
+        g, g_t = tg.softcap_ce_backward_reference(logits, lse, targets, grad, grad_s)
+        out.copy_(g.view(torch.uint8))
+        out_t.copy_(g_t.view(torch.uint8))
+    monkeypatch.setattr(tg, "launch_softcap_ce_backward", reference_backward)
     assert tg.parse_args([]).fused_ce_forward is False
     on = tg.parse_args(["--fused-ce-forward", "true"])
     x, w, targets = _head_inputs(8)
