@@ -1294,7 +1294,8 @@ def normuon_reduce_dim(label: str, shape) -> int:
 
 
 class NorMuon(torch.optim.Optimizer):
-    """Muon with Polar Express orthogonalization, NorMuon row normalisation and cautious weight decay (PR #168).
+    """Muon with Polar Express orthogonalization, NorMuon row normalisation and cautious weight decay, as in the
+    December 2025 record.
 
     Params are grouped (see `_make_groups`) and every group is split into W contiguous chunks of
     ceil(size/W) params; rank r updates only its chunk. step(): reduce-scatter(AVG) the stacked grads of every

@@ -8,8 +8,9 @@ every kernel are the real run's). Measures, in this order:
     the real script starts its timed loop; with --cached-start a second process measures it again with the
     Inductor/Triton caches this one left behind
   * per batch-size stage: median ms/step over --steps steps (CUDA-synchronised per step), the host's enqueue time
-    per step (close to the step time = bound by the CPU), tokens/s, MFU, peak memory; with --profile-stages, one
-    profiled step of the stages named (GPU idle time, top kernels, host time by op).
+    per step (well below the step time: bound by the GPU; close to it: the profile's GPU idle time tells whether
+    the CPU is the limit), tokens/s, MFU, peak memory; with --profile-stages, one profiled step of the stages named
+    (GPU idle time, top kernels, host time by op).
     The timed steps run under train_gpt.no_compiles_allowed(): any recompilation there aborts the benchmark
   * NorMuon step alone, DistAdam step alone (same model, real gradients)
   * the orthogonalizer alone on the real NorMuon stacks (their momentum buffers): Polar Express vs Turbo-Muon,
