@@ -2821,12 +2821,19 @@ def save_compile_cache(path: Path) -> str:
     return f"compile cache: wrote {path} ({path.stat().st_size / 2**20:.1f} MB, {files} kernel-cache files)"
 
 
-def run(args: Hyperparameters) -> None:
-    cache_path = Path(args.compile_cache) if args.compile_cache else None
+def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
+    """(bundle path or None, loaded, line for the log), before anything compiles; run() and bench/bench.py share it."""
     # quack reads its kernel-cache folder at import; name its default so the bundle can carry it.
     os.environ.setdefault("QUACK_CACHE_DIR", str(Path(tempfile.gettempdir()) / getpass.getuser() / "quack_cache"))
+    if not args.compile_cache:
+        return None, False, ""
+    path = Path(args.compile_cache)
+    return (path, *load_compile_cache(path))
+
+
+def run(args: Hyperparameters) -> None:
     checking = args.check or args.check_flags
-    cache_loaded, cache_line = load_compile_cache(cache_path) if cache_path and not checking else (False, "")
+    cache_path, cache_loaded, cache_line = open_compile_cache(args) if not checking else (None, False, "")
     rt = resolve_runtime(args)
     if checking:
         if args.check:

@@ -11,6 +11,8 @@ whether its numbers agree within bf16 rounding:
            both against an fp32 computation from the same bf16 inputs
   gemm     the two fused GEMMs alone, untuned (what the op runs) and autotuned, against cuBLAS without the
            activation: what the epilogue costs
+  configs  the two fused GEMMs at T = 48k under each explicit Hopper tile config of quack's autotuning space
+           (one compile each, time-boxed): which config to pin instead of the untuned default
   gram     Polar Express's symmetric products on the NorMuon stacks (40 x 768 x 768, 22 x 768 x 3072):
            our Triton xxt / ba_plus_cAA against quack gemm_symmetric and torch.bmm
   rmsnorm  the trunk's weightless RMS norm (T x 768) forward+backward: Inductor against quack's rmsnorm
@@ -135,6 +137,58 @@ def section_gemm() -> list:
     return rows
 
 
+def section_configs(budget_s: float = 300.0) -> list:
+    """The two fused GEMMs at stage 3's micro-batch under each explicit Hopper tile configuration in quack's own
+    autotuning space (swap_ab left out: the token dimension is the long one), one compile each, until the time
+    budget runs out. The op runs quack's untuned default; a pinned winner is what the trainer could run instead.
+    Every config must give the untuned outputs (same K order within a tile: expected bit-identical)."""
+    from dataclasses import asdict
+    from quack.gemm_config import GemmConfig, get_all_configs
+    q = tg.quack_gemm()
+    T = TOKENS[-1]
+    torch.manual_seed(T)
+    x = tg.norm(torch.randn(T, D, device="cuda")).bfloat16()
+    w_fc = (torch.randn(4 * D, D, device="cuda") * D ** -0.5).bfloat16()
+    w_proj = (torch.randn(4 * D, D, device="cuda") * (4 * D) ** -0.5).bfloat16()
+    grad = (torch.randn(T, D, device="cuda") * 1e-3).bfloat16()
+    pre = x @ w_fc.T
+    ops = dict(gemm_act=lambda cfg: q.gemm_act(x, w_fc.mT, activation="relu_sq", tuned=False, config=cfg),
+               gemm_dact=lambda cfg: q.gemm_dact(grad, w_proj.mT, pre, activation="relu_sq", tuned=False, config=cfg))
+    flops = 2 * T * D * 4 * D
+    configs = [c for c in get_all_configs() if c.device_capacity == torch.cuda.get_device_capability()[0]
+               and not c.swap_ab]
+    t_start, rows = time.time(), []
+    for name, op in ops.items():
+        want = [t.clone() for t in op(None)]
+        base_ms = bench_ms(lambda: op(None))
+        row = dict(op=name, tokens=T, untuned_ms=base_ms, untuned_tflops=flops / base_ms / 1e9,
+                   untuned_config=asdict(GemmConfig()), configs=[])
+        for cfg in configs:
+            if time.time() - t_start > budget_s:
+                row["stopped"] = f"time budget {budget_s:.0f}s spent after {len(row['configs'])} configs"
+                break
+            entry = dict(tile=[cfg.tile_m, cfg.tile_n], cluster=[cfg.cluster_m, cfg.cluster_n],
+                         pingpong=cfg.pingpong)
+            try:
+                t0 = time.time()
+                got = op(cfg)
+                torch.cuda.synchronize()
+                entry["compile_s"] = round(time.time() - t0, 2)
+                entry["max_abs_diff"] = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
+                entry["ms"] = bench_ms(lambda: op(cfg))
+                entry["tflops"] = flops / entry["ms"] / 1e9
+            except Exception as e:
+                entry["error"] = f"{type(e).__name__}: {e}"[:300]
+            row["configs"].append(entry)
+        for key, keep in (("best_bit_identical", lambda e: e["max_abs_diff"] == 0), ("best_any", lambda e: True)):
+            ok = [e for e in row["configs"] if "ms" in e and keep(e)]
+            if ok:
+                best = min(ok, key=lambda e: e["ms"])
+                row[key] = dict(best, speedup_vs_untuned=base_ms / best["ms"])
+        rows.append(row)
+    return rows
+
+
 def section_gram() -> list:
     from quack.gemm_interface import gemm_symmetric
     rows = []
@@ -245,6 +299,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="quack_kernels.json")
     ap.add_argument("--commit", default="", help="recorded in the JSON")
+    ap.add_argument("--configs-budget", type=float, default=300.0, help="seconds the configs section may spend")
     ap.add_argument("--sections", default="mlp,gram,rmsnorm,host",
                     help="comma-separated; gemm (the fused GEMMs alone, untuned and autotuned) autotunes for minutes")
     a = ap.parse_args(argv)
@@ -261,8 +316,8 @@ def main(argv=None) -> int:
         result["import"] = "ok"
     except Exception as e:
         result["import"] = f"{type(e).__name__}: {e}"
-    sections = dict(mlp=section_mlp, gemm=section_gemm, gram=section_gram, rmsnorm=section_rmsnorm,
-                    host=section_host)
+    sections = dict(mlp=section_mlp, gemm=section_gemm, configs=lambda: section_configs(a.configs_budget), gram=section_gram,
+                    rmsnorm=section_rmsnorm, host=section_host)
     for name in a.sections.split(","):
         t0 = time.time()
         try:
