@@ -136,7 +136,7 @@ class Hyperparameters:
     ce_backward_tile: tuple = setting((32, 128, 4), "BLOCK_T,BLOCK_V,WARPS of the fused cross-entropy backward")
     ce_fast_math: bool = setting(True, "fused cross-entropy backward: sigmoid through the GPU's tanh.approx and "
                                        "multiplications instead of divisions (fewer special-function instructions)")
-    fused_ce_forward: bool = setting(False, "fused FP8 head's training forward: the softcapped log-sum-exp in one "
+    fused_ce_forward: bool = setting(True, "fused FP8 head's training forward: the softcapped log-sum-exp in one "
                                             "Triton pass (with --ce-fast-math's math) instead of Inductor's reduction")
     mlp_kernel: str = setting("auto", "ReLU² MLP kernels: quack's fused GEMM+activation (pip install quack-kernels; "
                                       "Hopper/Blackwell) or Inductor's (cuBLAS + fused pointwise); auto: quack where "
@@ -1689,6 +1689,23 @@ def quack_gemm():
     return gemm_interface
 
 
+# quack's untuned Hopper default clusters two CTAs along M. The same 128x192 pingpong tile clustered along N instead
+# is faster for both fused GEMMs on the trainer's shapes and bit-identical (same tile, same K order); picked from
+# quack's own autotuning space (bench/quack_kernels_bench.py --sections configs) and pinned, because autotuning
+# at start-up costs minutes of compiles. Other GPUs keep quack's default.
+QUACK_MLP_CONFIG_SM90 = dict(tile_m=128, tile_n=192, cluster_m=1, cluster_n=2, pingpong=True,
+                             is_dynamic_persistent=False)
+
+
+@functools.cache
+def quack_mlp_config(device_type: str, index: int | None):
+    """quack's GemmConfig for the MLP's fused GEMMs on this device, or None for quack's own default."""
+    if device_type != "cuda" or torch.cuda.get_device_capability(index)[0] != 9:
+        return None
+    from quack.gemm_config import GemmConfig
+    return GemmConfig(**QUACK_MLP_CONFIG_SM90, device_capacity=9)
+
+
 def quack_on_this_gpu():
     if torch.cuda.get_device_capability()[0] not in (9, 10):
         raise RuntimeError("its GEMM kernels need compute capability 9.x or 10.x (Hopper, Blackwell)")
@@ -1698,7 +1715,8 @@ def quack_on_this_gpu():
 @torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
 def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
     """(relu(x w_fcᵀ)² w_proj, the pre-activation x w_fcᵀ) for x (T, d) and w_fc, w_proj (4d, d), all bf16."""
-    pre, h = quack_gemm().gemm_act(x, w_fc.mT, activation="relu_sq", tuned=False)
+    pre, h = quack_gemm().gemm_act(x, w_fc.mT, activation="relu_sq", tuned=False,
+                                   config=quack_mlp_config(x.device.type, x.device.index))
     return h @ w_proj, pre
 
 
@@ -1712,7 +1730,8 @@ def relu2_mlp_backward(grad: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor,
                        pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw_fc, dw_proj). One fused GEMM gives d(pre) = (grad w_projᵀ)·2relu(pre) and h = relu(pre)²."""
     grad = grad.contiguous()
-    dpre, h = quack_gemm().gemm_dact(grad, w_proj.mT, pre, activation="relu_sq", tuned=False)
+    dpre, h = quack_gemm().gemm_dact(grad, w_proj.mT, pre, activation="relu_sq", tuned=False,
+                                     config=quack_mlp_config(grad.device.type, grad.device.index))
     return dpre @ w_fc, dpre.mT @ x, h.mT @ grad
 
 

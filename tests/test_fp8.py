@@ -331,7 +331,7 @@ def test_fused_ce_forward_kernel_matches_float64_for_ragged_tiles_and_both_maths
         assert row["op_loss_rel_err"] < 1e-6 and row["op_shapes"] == [[], [row["tokens"]]], row
 
 
-def test_fused_ce_forward_is_off_by_default_and_the_flag_reaches_the_op(monkeypatch):
+def test_fused_ce_forward_is_on_by_default_and_the_flag_reaches_the_op(monkeypatch):
     """--fused-ce-forward -> LMHead -> the fused head's forward calls the Triton pass (a recording stand-in that
     computes softcap_ce_forward), and the loss and gradients equal the traced forward's."""
     seen = []
@@ -350,11 +350,11 @@ def test_fused_ce_forward_is_off_by_default_and_the_flag_reaches_the_op(monkeypa
         out.copy_(g.view(torch.uint8))
         out_t.copy_(g_t.view(torch.uint8))
     monkeypatch.setattr(tg, "launch_softcap_ce_backward", reference_backward)
-    assert tg.parse_args([]).fused_ce_forward is False
-    on = tg.parse_args(["--fused-ce-forward", "true"])
+    assert tg.parse_args([]).fused_ce_forward is True
+    off = tg.parse_args(["--fused-ce-forward", "false"])
     x, w, targets = _head_inputs(8)
     results = []
-    for fused_forward in (False, on.fused_ce_forward):
+    for fused_forward in (off.fused_ce_forward, tg.parse_args([]).fused_ce_forward):
         head = tg.LMHead(D, 256, fp8=True, fused=True, ce_fast_math=True, fused_ce_forward=fused_forward)
         with torch.no_grad():
             head.weight.copy_(w)

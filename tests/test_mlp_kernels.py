@@ -15,14 +15,14 @@ class _ReferenceQuack:
     calls = []
 
     @staticmethod
-    def gemm_act(A, B, activation=None, tuned=True):
-        _ReferenceQuack.calls.append(("act", activation, tuned, tuple(B.shape)))
+    def gemm_act(A, B, activation=None, tuned=True, config=None):
+        _ReferenceQuack.calls.append(("act", activation, tuned, tuple(B.shape), config))
         pre = A @ B
         return pre, F.relu(pre).square()
 
     @staticmethod
-    def gemm_dact(A, B, PreAct, activation=None, tuned=True):
-        _ReferenceQuack.calls.append(("dact", activation, tuned, tuple(B.shape)))
+    def gemm_dact(A, B, PreAct, activation=None, tuned=True, config=None):
+        _ReferenceQuack.calls.append(("dact", activation, tuned, tuple(B.shape), config))
         return (A @ B) * 2 * F.relu(PreAct), F.relu(PreAct).square()
 
 
@@ -49,8 +49,8 @@ def test_quack_mlp_op_gives_the_inductor_formulas_output_and_all_three_gradients
     torch.testing.assert_close(out, ref_out)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
-    # quack gets B as (K, N) views of the (4d, d) weights and the untuned configuration (no autotune at start-up)
-    assert stand_in_quack.calls == [("act", "relu_sq", False, (8, 32)), ("dact", "relu_sq", False, (8, 32))]
+    # quack gets B as (K, N) views of the (4d, d) weights, no autotune at start-up, and off Hopper quack's own config
+    assert stand_in_quack.calls == [("act", "relu_sq", False, (8, 32), None), ("dact", "relu_sq", False, (8, 32), None)]
 
 
 def test_mlp_module_runs_the_kernel_it_was_built_with(stand_in_quack):
