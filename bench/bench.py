@@ -342,7 +342,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cached-start", action="store_true",
                     help="afterwards, measure the cold start again in a new process with this run's caches")
     ap.add_argument("--cold-start-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--commit", default="", help="recorded in the JSON when .git is not available")
+    ap.add_argument("--commit", default="", help="recorded in the JSON instead of .git's HEAD (a copied working tree "
+                                                 "may carry a stale .git)")
     ap.add_argument("--stages-only", action="store_true",
                     help="cold start and per-stage timings only (no optimizer, orthogonalizer, profile; "
                          "--cached-start still applies)")
@@ -389,7 +390,7 @@ def main(argv=None) -> int:
     peak = bf16_peak_flops()
     result = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
-        cuda=torch.version.cuda, python=platform.python_version(), commit=git_commit() or a.commit,
+        cuda=torch.version.cuda, python=platform.python_version(), commit=a.commit or git_commit(),
         date=datetime.date.today().isoformat(), command=" ".join([Path(sys.executable).name, *sys.argv]),
         world_size=1, data="synthetic document-structured tokens (log-normal lengths, median 600)",
         train_flags=a.train_flags, runtime=dataclasses.asdict(trainer.rt),

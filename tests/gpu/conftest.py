@@ -5,7 +5,8 @@
 writes, at the end of the session, the run's metadata (date, device, torch, triton, python, commit, command), every
 measurement the tests put into `gpu_results` (keys as the former bench/gpu_checks.py wrote them: fp8_lm_head,
 fused_fp8_head, attention_<backend>_w<window>, attention_speed_<backend>_w<window>, triton_<shape>,
-orthogonalizer <stack>) and each test's outcome under "outcomes".
+orthogonalizer <stack>) and each test's outcome under "outcomes". SPEEDRUN_COMMIT, when set, is the commit recorded
+instead of .git's HEAD (a copied working tree may carry a stale .git).
 """
 import datetime
 import json
@@ -32,7 +33,7 @@ def run_metadata() -> dict:
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device",
                 torch=torch.__version__, triton=triton_version, python=platform.python_version(),
-                commit=commit.stdout.strip(),
+                commit=os.environ.get("SPEEDRUN_COMMIT") or commit.stdout.strip(),
                 command=" ".join([Path(sys.executable).name, "-m", "pytest", *sys.argv[1:]]))
 
 
