@@ -41,7 +41,7 @@ from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import train_gpt as tg  # noqa: E402  (sets PROCESS_START at import: the benchmark's cold-start clock)
+import train_gpt as tg  # noqa: E402  (PROCESS_START, this process's start: the benchmark's cold-start clock)
 
 REFERENCE_H100_MS = {1: 274.0, 2: 485.0, 3: 721.0}  # the December 2025 record script on an H100 (ms/step)
 REFERENCE_PEAK_TFLOPS = 798.0  # bf16 8192^3 on random data: the H100's figure

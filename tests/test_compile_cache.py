@@ -77,3 +77,17 @@ def test_bundle_from_other_versions_is_ignored_naming_the_difference(tmp_path):
         z.writestr("artifacts.bin", b"\x00")
     loaded, line = tg.load_compile_cache(other)
     assert not loaded and "torch 2.99.0 there" in line and "NVIDIA B200 sm100 there" in line and "ignored" in line
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the process start is read from Linux's /proc")
+def test_cold_start_clock_starts_at_process_start_so_the_imports_count():
+    """The figure 'process start to timed loop' includes importing torch: the clock is the process's own start,
+    not train_gpt's import (here one second of sleep before the import must be inside it)."""
+    code = ("import time; t0 = time.time(); time.sleep(1.0); import train_gpt as tg; "
+            "print(tg.PROCESS_START - t0, time.time() - tg.PROCESS_START)")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    before_t0, elapsed = map(float, r.stdout.split())
+    assert -5.0 < before_t0 <= 0.05  # the interpreter's own start-up precedes t0 by milliseconds
+    assert elapsed >= 1.0
