@@ -62,6 +62,16 @@ def test_missing_bundle_is_reported_and_will_be_written(tmp_path):
     assert not loaded and "not found" in line and "written after the warm-up" in line
 
 
+def test_trainer_and_benchmark_open_the_bundle_the_flag_names_and_only_that(tmp_path, monkeypatch):
+    """open_compile_cache (run() and bench.py): no flag, no bundle; a flag names the file to load or to write. Either
+    way quack's kernel-cache folder gets a default, so that a bundle written later can carry it."""
+    monkeypatch.delenv("QUACK_CACHE_DIR", raising=False)
+    assert tg.open_compile_cache(tg.parse_args([])) == (None, False, "")
+    assert os.environ["QUACK_CACHE_DIR"]
+    path, loaded, line = tg.open_compile_cache(tg.parse_args(["--compile-cache", str(tmp_path / "b.zip")]))
+    assert path == tmp_path / "b.zip" and not loaded and "not found" in line
+
+
 def test_corrupt_bundle_is_ignored_with_one_line(tmp_path):
     bad = tmp_path / "bad.zip"
     bad.write_bytes(b"not a zip file")
