@@ -12,7 +12,7 @@ On a Linux machine with NVIDIA GPUs and internet:
                                   shard into data/fineweb10B/ (skipped with --data-path DIR), then
                                   torchrun --standalone --nproc_per_node=<GPUs> train_gpt.py TRAIN_ARGS
   ./run.sh setup-gpu              pip-install requirements.txt, then requirements-gpu.txt (optional
-                                  FlashAttention-4; skipped where it does not install)
+                                  FlashAttention-4 and quack-kernels; skipped where they do not install)
 
 On any machine, GPU or not:
   ./run.sh setup-cpu              CPU torch (from download.pytorch.org/whl/cpu), then requirements-dev.txt

@@ -2694,7 +2694,8 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
     if use_compile and backend == "reference":
         raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
     return Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
-                   world_size=world_size, launched="RANK" in env, grad_accum_steps=grad_accum_steps_for(world_size), attn_backend=backend,
+                   world_size=world_size, launched="RANK" in env, grad_accum_steps=grad_accum_steps_for(world_size),
+                   attn_backend=backend,
                    compile=use_compile, fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
                    dynamic_seq_len=use_compile and args.dynamic_seq_len,
                    mlp_kernel=resolve_mlp_kernel(args.mlp_kernel, device))

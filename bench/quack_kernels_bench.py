@@ -76,15 +76,22 @@ def quack_mlp(x, w_fc, w_proj):
     return torch.ops.speedrun.relu2_mlp(x, w_fc, w_proj)[0]
 
 
+def mlp_inputs(T: int) -> tuple:
+    """One micro-batch of T tokens as the trainer's MLP sees it, seeded by T: normalised bf16 activations, both
+    (4d, d) weights at their init scale, and a small upstream gradient."""
+    torch.manual_seed(T)
+    x = tg.norm(torch.randn(T, D, device="cuda")).bfloat16()
+    w_fc = (torch.randn(4 * D, D, device="cuda") * D ** -0.5).bfloat16()
+    w_proj = (torch.randn(4 * D, D, device="cuda") * (4 * D) ** -0.5).bfloat16()
+    grad = (torch.randn(T, D, device="cuda") * 1e-3).bfloat16()
+    return x, w_fc, w_proj, grad
+
+
 def section_mlp() -> list:
     rows = []
     compiled = torch.compile(inductor_mlp, dynamic=False, fullgraph=True)
     for T in TOKENS:
-        torch.manual_seed(T)
-        x = tg.norm(torch.randn(T, D, device="cuda")).bfloat16()
-        w_fc = (torch.randn(4 * D, D, device="cuda") * D ** -0.5).bfloat16()
-        w_proj = (torch.randn(4 * D, D, device="cuda") * (4 * D) ** -0.5).bfloat16()
-        grad = (torch.randn(T, D, device="cuda") * 1e-3).bfloat16()
+        x, w_fc, w_proj, grad = mlp_inputs(T)
         ref = mlp_reference(x, w_fc, w_proj, grad)
         row = dict(tokens=T)
         for name, fn in (("inductor", compiled), ("quack", quack_mlp)):
@@ -143,14 +150,10 @@ def section_configs(budget_s: float = 300.0) -> list:
     budget runs out. The op runs quack's untuned default; a pinned winner is what the trainer could run instead.
     Every config must give the untuned outputs (same K order within a tile: expected bit-identical)."""
     from dataclasses import asdict
-    from quack.gemm_config import GemmConfig, get_all_configs
+    from quack.gemm_config import default_config, get_all_configs
     q = tg.quack_gemm()
     T = TOKENS[-1]
-    torch.manual_seed(T)
-    x = tg.norm(torch.randn(T, D, device="cuda")).bfloat16()
-    w_fc = (torch.randn(4 * D, D, device="cuda") * D ** -0.5).bfloat16()
-    w_proj = (torch.randn(4 * D, D, device="cuda") * (4 * D) ** -0.5).bfloat16()
-    grad = (torch.randn(T, D, device="cuda") * 1e-3).bfloat16()
+    x, w_fc, w_proj, grad = mlp_inputs(T)
     pre = x @ w_fc.T
     ops = dict(gemm_act=lambda cfg: q.gemm_act(x, w_fc.mT, activation="relu_sq", tuned=False, config=cfg),
                gemm_dact=lambda cfg: q.gemm_dact(grad, w_proj.mT, pre, activation="relu_sq", tuned=False, config=cfg))
@@ -162,7 +165,7 @@ def section_configs(budget_s: float = 300.0) -> list:
         want = [t.clone() for t in op(None)]
         base_ms = bench_ms(lambda: op(None))
         row = dict(op=name, tokens=T, untuned_ms=base_ms, untuned_tflops=flops / base_ms / 1e9,
-                   untuned_config=asdict(GemmConfig()), configs=[])
+                   untuned_config=asdict(default_config(x.device)), configs=[])
         for cfg in configs:
             if time.time() - t_start > budget_s:
                 row["stopped"] = f"time budget {budget_s:.0f}s spent after {len(row['configs'])} configs"

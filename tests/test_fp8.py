@@ -292,14 +292,11 @@ def test_ce_fast_math_is_on_by_default_and_the_flag_reaches_the_fused_kernel(mon
     assert seen == [True, False]
 
 
-CE_FORWARD_SCRIPT = """
-import json, torch, train_gpt as tg
+CE_FORWARD_SCRIPT = CE_CASE + """
 assert tg._TRITON_INTERPRET
 out = []
 for t, v, tile in [(128, 256, None), (100, 300, (4, 64, 4)), (1, 17, (2, 16, 1)), (130, 129, (8, 32, 4))]:
-    g = torch.Generator().manual_seed(t + v)
-    logits = torch.randn(t, v, generator=g) * 8
-    targets = torch.randint(0, v, (t,), generator=g)
+    logits, targets, *_ = ce_case(t, v)
     z = 30 * torch.sigmoid(logits.double() / 7.5)
     ref_lse = torch.logsumexp(z, dim=-1)
     ref_per_token = ref_lse - z.gather(1, targets[:, None]).squeeze(1)

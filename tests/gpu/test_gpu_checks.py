@@ -183,7 +183,8 @@ def test_ce_fast_math_changes_the_e5m2_gradient_less_than_its_rounding(gpu_resul
     lse = softcap_ce_forward(logits, targets)[1]
     grad = torch.tensor(0.125, device="cuda")
     ref, _ = softcap_ce_backward_reference(logits, lse, targets, grad, FP8_GRAD_SCALE)
-    k, k_t = softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, [32, 128, 4], True)
+    k, k_t = softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, list(Hyperparameters.ce_backward_tile),
+                                 True)
     r = gpu_results["ce_fast_math"] = dict(
         g_f8_bytes_identical_share=(k.view(torch.uint8) == ref.view(torch.uint8)).double().mean().item(),
         g_f8_rel_diff=rel(k.float(), ref.float()),
