@@ -2268,6 +2268,22 @@ def process_start_time() -> float:
 
 
 PROCESS_START = process_start_time()  # for the cold-start figure in the log
+# Where the time before the warm-up goes: (what just finished, when). The first entry is this module's import,
+# which includes torch's, Triton's and NumPy's.
+STARTUP_MARKS = [("imports", time.time())]
+
+
+def startup_mark(label: str) -> None:
+    STARTUP_MARKS.append((label, time.time()))
+
+
+def startup_seconds(marks=None) -> dict:
+    """{label: seconds since the previous mark} (the first one since the process started)."""
+    marks = STARTUP_MARKS if marks is None else marks
+    starts = [PROCESS_START] + [t for _, t in marks[:-1]]
+    return {label: t - start for (label, t), start in zip(marks, starts)}
+
+
 SEPARATOR = "=" * 100
 
 
@@ -2693,12 +2709,14 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
     backend = resolve_attention_backend(args.attn_backend, device)
     if use_compile and backend == "reference":
         raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
-    return Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
+    rt = Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
                    world_size=world_size, launched="RANK" in env, grad_accum_steps=grad_accum_steps_for(world_size),
                    attn_backend=backend,
                    compile=use_compile, fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
                    dynamic_seq_len=use_compile and args.dynamic_seq_len,
                    mlp_kernel=resolve_mlp_kernel(args.mlp_kernel, device))
+    startup_mark("kernel libraries")  # resolving the backends imports FlashAttention-4's and quack's CuTe DSL
+    return rt
 
 
 def find_data(args: Hyperparameters, rt: Runtime):
@@ -2770,6 +2788,7 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Traine
     the process group, the log with its header, the model and optimizers."""
     train_files, val_file = find_data(args, rt)
     setup_process_group(rt)
+    startup_mark("CUDA and process group")
     torch._dynamo.config.recompile_limit = 64
     log = Logger(log_path, rt.master)
     if rt.master:
@@ -2787,13 +2806,55 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Traine
     if args.seed >= 0:
         torch.manual_seed(args.seed)
     model, adam, muon = build_model_and_optimizers(args, rt)
+    startup_mark("model and optimizers")
     return Trainer(args, rt, model, adam, muon, train_files, val_file, log)
 
 
 # A bundle of everything compiled for this script, to skip compilation on a fresh machine: PyTorch's portable cache
 # artifacts (Inductor graphs and their Triton kernels) plus the folders of kernel caches named by COMPILE_CACHE_DIRS,
 # in one zip with the versions it was made with. A bundle from other versions or GPUs is ignored, never an error.
-COMPILE_CACHE_DIRS = ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR")  # kernel caches to carry along
+# Triton's folder holds Inductor's kernels too (already in the artifacts): only this script's own kernels travel.
+COMPILE_CACHE_DIRS = ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def default_kernel_cache_dirs(env=os.environ) -> None:
+    """Name every kernel-cache folder before anything compiles, so that a bundle knows where to restore and what to
+    carry. Each default is the folder its owner would pick anyway: FlashAttention-4's and quack's under the temp
+    folder, and for Triton the one Inductor sets for this rank's GPU (our kernels then share it)."""
+    user_tmp = Path(tempfile.gettempdir()) / getpass.getuser()
+    env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(user_tmp / "flash_attention_cute_dsl_cache"))
+    env.setdefault("QUACK_CACHE_DIR", str(user_tmp / "quack_cache"))
+    if "TRITON_CACHE_DIR" not in env:
+        try:
+            from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+            env["TRITON_CACHE_DIR"] = triton_cache_dir(int(env.get("LOCAL_RANK", 0)))
+        except Exception:  # a torch without it: Triton keeps its own default, which the bundle then skips
+            pass
+
+
+def own_triton_kernels() -> set:
+    """Names of the Triton kernels defined in this file (the names of their entries in Triton's cache)."""
+    if triton is None:
+        return set()
+    return {name for name, obj in globals().items() if isinstance(obj, triton.runtime.jit.JITFunction)}
+
+
+def relocated_triton_group(data: bytes, folder: Path) -> bytes:
+    """A Triton cache entry's group file lists its files by absolute path: point them into the folder restored here
+    (Triton takes an entry whose files are missing for a miss and compiles again)."""
+    import json
+    group = json.loads(data)
+    group["child_paths"] = {name: str(folder / Path(path).name) for name, path in group["child_paths"].items()}
+    return json.dumps(group).encode()
+
+
+def kernel_cache_files(var: str, folder: Path) -> list:
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    if var == "TRITON_CACHE_DIR":  # one sub-folder per compiled kernel, named in its __grp__<kernel>.json
+        groups = {f"__grp__{name}.json" for name in own_triton_kernels()}
+        ours = {p.parent for p in files if p.name in groups}
+        files = [p for p in files if p.parent in ours]
+    return files
 
 
 def compile_cache_key() -> dict:
@@ -2824,7 +2885,10 @@ def load_compile_cache(path: Path) -> tuple[bool, str]:
                 if var in COMPILE_CACHE_DIRS and rel and os.environ.get(var):
                     target = Path(os.environ[var]) / rel
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(z.read(name))
+                    data = z.read(name)
+                    if var == "TRITON_CACHE_DIR" and target.name.startswith("__grp__"):
+                        data = relocated_triton_group(data, target.parent)
+                    target.write_bytes(data)
                     restored += 1
     except (OSError, KeyError, ValueError, zipfile.BadZipFile, RuntimeError) as e:
         return False, f"compile cache: {path} unreadable ({type(e).__name__}: {e}); ignored, rewritten after the warm-up"
@@ -2847,7 +2911,7 @@ def save_compile_cache(path: Path) -> str:
         for var in COMPILE_CACHE_DIRS:
             folder = Path(os.environ.get(var, "")) if os.environ.get(var) else None
             if folder is not None and folder.is_dir():
-                for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+                for f in kernel_cache_files(var, folder):
                     z.write(f, f"{var}/{f.relative_to(folder)}")
                     files += 1
     tmp.replace(path)
@@ -2856,12 +2920,13 @@ def save_compile_cache(path: Path) -> str:
 
 def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
     """(bundle path or None, loaded, line for the log), before anything compiles; run() and bench/bench.py share it."""
-    # quack reads its kernel-cache folder at import; name its default so the bundle can carry it.
-    os.environ.setdefault("QUACK_CACHE_DIR", str(Path(tempfile.gettempdir()) / getpass.getuser() / "quack_cache"))
+    default_kernel_cache_dirs()  # FA4 and quack read theirs at import: before resolve_runtime imports them
     if not args.compile_cache:
         return None, False, ""
     path = Path(args.compile_cache)
-    return (path, *load_compile_cache(path))
+    result = (path, *load_compile_cache(path))
+    startup_mark("compile cache")
+    return result
 
 
 def run(args: Hyperparameters) -> None:
@@ -2884,8 +2949,9 @@ def run(args: Hyperparameters) -> None:
     trainer.warm_up_kernels()
     if cache_path and not cache_loaded and rt.master:
         log(save_compile_cache(cache_path))
+    before = ", ".join(f"{label} {seconds:.1f}s" for label, seconds in startup_seconds().items())
     log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
-        f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs)")
+        f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs; before it: {before})")
     result = trainer.train()
     if dist.is_initialized() and rt.world_size > 1:
         same = replicas_identical(trainer.model)

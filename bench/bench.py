@@ -156,6 +156,8 @@ def format_table(result: dict) -> str:
                  f"(warm-up {c['warm_up_s']:.1f}s; Inductor cache {'present' if c['cache_present_at_start'] else 'empty'} "
                  f"at start, {c['cache_mb_after']:.0f} MB after)"
                  + (f"; with that cache: {c['cached_s']:.1f}s" if c.get("cached_s") is not None else ""))
+    if c.get("before_warm_up_parts_s"):
+        lines.append("before the warm-up: " + ", ".join(f"{k} {v:.1f}s" for k, v in c["before_warm_up_parts_s"].items()))
     if "host_syncs_in_a_stage3_step" in result:
         h = result["host_syncs_in_a_stage3_step"]
         lines.append(f"attention {result.get('attn_backend', '?')}; synchronising CUDA calls in a stage-3 step: "
@@ -366,6 +368,7 @@ def main(argv=None) -> int:
     t_data = time.time()
     make_synthetic_shards(Path(a.data_dir), train_tokens=60_000_000, val_tokens=args.val_batch_size + 1)
     data_s = time.time() - t_data  # the benchmark's own synthetic data: not part of the trainer's cold start
+    tg.startup_mark("synthetic data (bench.py only, not counted)")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cache_path, cache_loaded, cache_line = tg.open_compile_cache(args)  # -- --compile-cache FILE, as the trainer
@@ -378,9 +381,10 @@ def main(argv=None) -> int:
         cache_line = (cache_line + "; " if cache_line else "") + tg.save_compile_cache(cache_path)
     cold = dict(this_process_s=this_process_s, synthetic_data_s=data_s, warm_up_s=warm_up_s,
                 cache_present_at_start=cache_present, cache_dir=str(cache), cache_mb_after=folder_mb(cache),
-                triton_cache_dir=str(Path.home() / ".triton" / "cache"),
-                triton_cache_mb_after=folder_mb(Path.home() / ".triton" / "cache"),
-                warm_up_parts_s=dict(trainer.warm_up_times), compile_cache=cache_line, **compile_report())
+                triton_cache_dir=os.environ.get("TRITON_CACHE_DIR", ""),
+                triton_cache_mb_after=folder_mb(Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))),
+                before_warm_up_parts_s=tg.startup_seconds(), warm_up_parts_s=dict(trainer.warm_up_times),
+                compile_cache=cache_line, **compile_report())
     print(f"cold start {cold['this_process_s']:.1f}s (warm-up {warm_up_s:.1f}s)", flush=True)
     if a.cold_start_only:
         out.write_text(json.dumps(cold))

@@ -28,33 +28,90 @@ print("RESULT=" + json.dumps(dict(loaded=loaded, line=line, saved=saved, hits=co
 """
 
 
-def run_process(mode, bundle, inductor_dir, kernel_dir, quack_dir):
+def run_process(mode, bundle, inductor_dir, kernel_dir, quack_dir, triton_dir):
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
                FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(kernel_dir), QUACK_CACHE_DIR=str(quack_dir),
-               PYTHONWARNINGS="ignore")
+               TRITON_CACHE_DIR=str(triton_dir), PYTHONWARNINGS="ignore")
     r = subprocess.run([sys.executable, "-c", PROCESS, mode, str(bundle)], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT="))[len("RESULT="):])
 
 
+def fake_triton_entry(folder: Path, key: str, kernel: str) -> None:
+    """One compiled kernel as Triton's cache stores it: a folder per compile key, named in its group file."""
+    (folder / key).mkdir(parents=True)
+    (folder / key / f"{kernel}.cubin").write_bytes(b"cubin of " + kernel.encode())
+    (folder / key / f"__grp__{kernel}.json").write_text(
+        json.dumps({"child_paths": {f"{kernel}.cubin": str(folder / key / f"{kernel}.cubin")}}))
+
+
 @pytest.mark.slow
 def test_bundle_from_one_machine_skips_compilation_on_a_fresh_one(tmp_path):
-    """Inductor's graphs and both kernel-cache folders (FlashAttention-4's, quack's) travel in the bundle."""
+    """Inductor's graphs and the kernel-cache folders (FlashAttention-4's, quack's, and of Triton's only this
+    script's own kernels) travel in the bundle."""
     bundle = tmp_path / "bundle.zip"
-    kernels, quack = tmp_path / "fa4_a", tmp_path / "quack_a"
+    kernels, quack, triton_a = tmp_path / "fa4_a", tmp_path / "quack_a", tmp_path / "triton_a"
     (kernels / "sub").mkdir(parents=True)
     (kernels / "sub" / "kernel.o").write_bytes(b"compiled kernel")
     quack.mkdir()
     (quack / "gemm_act.o").write_bytes(b"quack kernel")
-    first = run_process("save", bundle, tmp_path / "inductor_a", kernels, quack)
-    assert first["misses"] >= 1 and "wrote" in first["saved"] and "2 kernel-cache files" in first["saved"]
+    fake_triton_entry(triton_a, "KEY1", "_softcap_ce_backward_kernel")  # ours: travels
+    fake_triton_entry(triton_a, "KEY2", "triton_poi_fused_add_0")  # Inductor's: already in the artifacts
+    first = run_process("save", bundle, tmp_path / "inductor_a", kernels, quack, triton_a)
+    assert first["misses"] >= 1 and "wrote" in first["saved"] and "4 kernel-cache files" in first["saved"]
     # a fresh machine: empty Inductor cache, empty kernel-cache folders
-    second = run_process("load", bundle, tmp_path / "inductor_b", tmp_path / "fa4_b", tmp_path / "quack_b")
+    second = run_process("load", bundle, tmp_path / "inductor_b", tmp_path / "fa4_b", tmp_path / "quack_b",
+                         tmp_path / "triton_b")
     assert second["loaded"] and second["line"].startswith(f"compile cache: loaded {bundle}")
     assert second["hits"] >= 1 and second["misses"] == 0
     assert (tmp_path / "fa4_b" / "sub" / "kernel.o").read_bytes() == b"compiled kernel"
     assert (tmp_path / "quack_b" / "gemm_act.o").read_bytes() == b"quack kernel"
+    restored = sorted(p.relative_to(tmp_path / "triton_b").as_posix() for p in (tmp_path / "triton_b").rglob("*")
+                      if p.is_file())
+    assert restored == ["KEY1/__grp___softcap_ce_backward_kernel.json", "KEY1/_softcap_ce_backward_kernel.cubin"]
+    # Triton finds an entry through the absolute paths in its group file: they must point into the new folder
+    group = json.loads((tmp_path / "triton_b" / restored[0]).read_text())
+    assert group["child_paths"] == {"_softcap_ce_backward_kernel.cubin": str(tmp_path / "triton_b" / restored[1])}
+
+
+@pytest.mark.skipif(tg.triton is None, reason="needs triton")
+def test_restored_triton_entry_is_a_cache_hit_for_triton_itself(tmp_path, monkeypatch):
+    """Triton's own cache manager, pointed at the restored folder, finds the entry through the rewritten group."""
+    from triton.runtime.cache import FileCacheManager
+    fake_triton_entry(tmp_path / "machine_a", "KEY1", "_sym_gram_kernel")
+    data = (tmp_path / "machine_a" / "KEY1" / "__grp___sym_gram_kernel.json").read_bytes()
+    fresh = tmp_path / "machine_b" / "KEY1"
+    fresh.mkdir(parents=True)
+    (fresh / "_sym_gram_kernel.cubin").write_bytes(b"cubin")
+    (fresh / "__grp___sym_gram_kernel.json").write_bytes(tg.relocated_triton_group(data, fresh))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "machine_b"))
+    assert FileCacheManager("KEY1").get_group("_sym_gram_kernel.json") == {
+        "_sym_gram_kernel.cubin": str(fresh / "_sym_gram_kernel.cubin")}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "machine_c"))  # not restored there: a miss
+    assert FileCacheManager("KEY1").get_group("_sym_gram_kernel.json") is None
+
+
+@pytest.mark.skipif(tg.triton is None, reason="needs triton")
+def test_bundle_knows_this_files_triton_kernels_by_name():
+    names = tg.own_triton_kernels()
+    assert {"_softcap_ce_backward_kernel", "_softcap_ce_forward_kernel", "_sym_gram_kernel"} <= names
+    assert not any(n.startswith("triton_") for n in names)  # Inductor's prefix: those are never ours
+
+
+def test_kernel_cache_folders_get_their_owners_defaults_and_keep_a_users_choice(tmp_path):
+    env = {"LOCAL_RANK": "3", "QUACK_CACHE_DIR": str(tmp_path / "mine")}
+    tg.default_kernel_cache_dirs(env)
+    assert env["QUACK_CACHE_DIR"] == str(tmp_path / "mine")
+    assert env["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"].endswith("flash_attention_cute_dsl_cache")
+    assert Path(env["TRITON_CACHE_DIR"]).parts[-2:] == ("triton", "3")  # Inductor's folder for GPU 3
+
+
+def test_startup_seconds_splits_the_time_before_the_warm_up_between_consecutive_marks():
+    start = tg.PROCESS_START
+    marks = [("imports", start + 4.0), ("kernel libraries", start + 9.5), ("model and optimizers", start + 10.0)]
+    assert tg.startup_seconds(marks) == pytest.approx({"imports": 4.0, "kernel libraries": 5.5,
+                                                       "model and optimizers": 0.5})
 
 
 def test_missing_bundle_is_reported_and_will_be_written(tmp_path):
@@ -64,10 +121,12 @@ def test_missing_bundle_is_reported_and_will_be_written(tmp_path):
 
 def test_trainer_and_benchmark_open_the_bundle_the_flag_names_and_only_that(tmp_path, monkeypatch):
     """open_compile_cache (run() and bench.py): no flag, no bundle; a flag names the file to load or to write. Either
-    way quack's kernel-cache folder gets a default, so that a bundle written later can carry it."""
-    monkeypatch.delenv("QUACK_CACHE_DIR", raising=False)
+    way every kernel-cache folder gets a default, so that a bundle written later can carry it."""
+    for var in tg.COMPILE_CACHE_DIRS:  # setenv first: monkeypatch then restores what the call sets
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     assert tg.open_compile_cache(tg.parse_args([])) == (None, False, "")
-    assert os.environ["QUACK_CACHE_DIR"]
+    assert all(os.environ[var] for var in tg.COMPILE_CACHE_DIRS)
     path, loaded, line = tg.open_compile_cache(tg.parse_args(["--compile-cache", str(tmp_path / "b.zip")]))
     assert path == tmp_path / "b.zip" and not loaded and "not found" in line
 
