@@ -141,6 +141,8 @@ class Hyperparameters:
     mlp_kernel: str = setting("auto", "ReLU² MLP kernels: quack's fused GEMM+activation (pip install quack-kernels; "
                                       "Hopper/Blackwell) or Inductor's (cuBLAS + fused pointwise); auto: quack where "
                                       "it imports on such a GPU", ("auto", "quack", "inductor"))
+    fused_qk_norm_rope: bool = setting(True, "with FlashAttention-4: q/k RMS norm + rotary as one Triton pass inside "
+                                              "the attention op, whose backward writes dq, dk, dv into the qkv gradient")
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
                                      "with this torch/triton/GPU, written after the warm-up when not; empty: off")
@@ -818,14 +820,18 @@ def fa4_interface():
     return fa4
 
 
-@torch.library.custom_op("speedrun::fa4_varlen", mutates_args=())
-def fa4_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
-               which: int) -> tuple[Tensor, Tensor]:
+def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, params, which: int) -> tuple[Tensor, Tensor]:
     scale, window = attention_scalars(params, which)
     out, lse, *_ = fa4_interface()._flash_attn_fwd(
         q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
         softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0, return_lse=True)
     return out, lse
+
+
+@torch.library.custom_op("speedrun::fa4_varlen", mutates_args=())
+def fa4_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
+               which: int) -> tuple[Tensor, Tensor]:
+    return fa4_forward(q, k, v, cu_seqlens, max_seqlen, params, which)
 
 
 @fa4_varlen.register_fake
@@ -853,6 +859,183 @@ register_attention_autograd(fa4_varlen, torch.ops.speedrun.fa4_varlen_backward)
 
 def attention_fa4(q, k, v, cu_seqlens, max_seqlen, params, which):
     return torch.ops.speedrun.fa4_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
+
+
+# q/k RMS norm and rotary in one Triton pass, inside the FlashAttention-4 op (--fused-qk-norm-rope). Inductor fuses
+# the same chain, but as a two-loop reduction that parks the rotated rows in fp32 scratch, and its backward then
+# copies dv into the qkv gradient in one more pass. Here the forward reads each raw q/k head row once and writes
+# it normalised and rotated; the backward lets FlashAttention-4 write dv straight into its slot of the qkv
+# gradient and fills the q and k slots with one pass. Math as Inductor's: fp32 throughout, one rounding at the
+# store, eps = float32's, rotary on the two halves of each head (x1·cos + x2·sin, x2·cos - x1·sin).
+
+if triton is not None:
+
+    @triton.jit
+    def _qk_norm_rope_forward_kernel(qkv, cos, sin, qk_out, rstd_out, rows_total, HEADS2: tl.constexpr,
+                                     D: tl.constexpr, ROW_STRIDE: tl.constexpr, EPS: tl.constexpr,
+                                     BLOCK_R: tl.constexpr):
+        # Row r = token·HEADS2 + j: head j of q (j < HEADS2/2) or of k, at qkv[token, j]; qk_out is (T, HEADS2, D).
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < rows_total)[:, None]
+        token = (rows // HEADS2).to(tl.int64)
+        half = tl.arange(0, D // 2)[None, :]
+        src = qkv + token[:, None] * ROW_STRIDE + (rows % HEADS2)[:, None] * D + half
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + D // 2, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + EPS)
+        table = token[:, None] * (D // 2) + half
+        c = tl.load(cos + table, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin + table, mask=mask, other=0.0).to(tl.float32)
+        x1 = x1 * r[:, None]
+        x2 = x2 * r[:, None]
+        dst = qk_out + rows.to(tl.int64)[:, None] * D + half
+        tl.store(dst, (x1 * c + x2 * s).to(qk_out.dtype.element_ty), mask=mask)
+        tl.store(dst + D // 2, (x2 * c - x1 * s).to(qk_out.dtype.element_ty), mask=mask)
+        tl.store(rstd_out + rows, r, mask=rows < rows_total)
+
+    @triton.jit
+    def _qk_norm_rope_backward_kernel(d_qk, qkv, rstd, cos, sin, d_qkv, rows_total, HEADS2: tl.constexpr,
+                                      D: tl.constexpr, ROW_STRIDE: tl.constexpr, BLOCK_R: tl.constexpr):
+        # d_qk (T, HEADS2, D): gradient of the rotated rows; writes the raw rows' gradient into d_qkv[token, j].
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < rows_total)[:, None]
+        token = (rows // HEADS2).to(tl.int64)
+        half = tl.arange(0, D // 2)[None, :]
+        grad = d_qk + rows.to(tl.int64)[:, None] * D + half
+        g1 = tl.load(grad, mask=mask, other=0.0).to(tl.float32)
+        g2 = tl.load(grad + D // 2, mask=mask, other=0.0).to(tl.float32)
+        table = token[:, None] * (D // 2) + half
+        c = tl.load(cos + table, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin + table, mask=mask, other=0.0).to(tl.float32)
+        g1, g2 = g1 * c - g2 * s, g1 * s + g2 * c  # through the rotation (its transpose)
+        offset = token[:, None] * ROW_STRIDE + (rows % HEADS2)[:, None] * D + half
+        r = tl.load(rstd + rows, mask=rows < rows_total, other=0.0)[:, None]
+        x1 = tl.load(qkv + offset, mask=mask, other=0.0).to(tl.float32) * r
+        x2 = tl.load(qkv + offset + D // 2, mask=mask, other=0.0).to(tl.float32) * r
+        dot = (tl.sum(x1 * g1, 1) + tl.sum(x2 * g2, 1))[:, None] / D
+        tl.store(d_qkv + offset, ((g1 - x1 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
+        tl.store(d_qkv + offset + D // 2, ((g2 - x2 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
+
+
+QK_NORM_ROPE_ROWS = 32  # head rows per program: 32 x 128 elements in flight each way
+
+
+def qk_norm_rope_reference(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """What the model computes without the fused pass: rotate(norm(x)) for the q and k heads of qkv (T, 3H, D),
+    in qkv's dtype, and the RMS norm's 1/rms per row (T, 2H) in fp32 or wider (the CPU path)."""
+    T, heads3, D = qkv.shape
+    compute = torch.promote_types(qkv.dtype, torch.float32)
+    x = qkv[:, :2 * heads3 // 3].to(compute)
+    rstd = torch.rsqrt(x.square().mean(-1) + torch.finfo(torch.float32).eps)
+    x = x * rstd[..., None]
+    c, s = cos[:T, None, :].to(compute), sin[:T, None, :].to(compute)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * c + x2 * s, x2 * c - x1 * s], dim=-1).to(qkv.dtype), rstd
+
+
+def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(rotated, normalised q and k heads (T, 2H, D) in qkv's dtype, 1/rms per row (T, 2H) fp32) of qkv (T, 3H, D)."""
+    if not _kernels_usable(qkv):
+        return qk_norm_rope_reference(qkv, cos, sin)
+    T, heads3, D = qkv.shape
+    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and cos.size(1) == D // 2
+    heads2 = 2 * heads3 // 3
+    qk = qkv.new_empty((T, heads2, D))
+    rstd = torch.empty((T, heads2), dtype=torch.float32, device=qkv.device)
+    rows = T * heads2
+    _qk_norm_rope_forward_kernel[(triton.cdiv(rows, QK_NORM_ROPE_ROWS),)](
+        qkv, cos, sin, qk, rstd, rows, HEADS2=heads2, D=D, ROW_STRIDE=heads3 * D,
+        EPS=torch.finfo(torch.float32).eps, BLOCK_R=QK_NORM_ROPE_ROWS, num_warps=4)
+    return qk, rstd
+
+
+def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, d_qkv: Tensor) -> None:
+    """Writes the gradient of qkv's q and k heads, given d_qk (T, 2H, D) of qk_norm_rope's output, into
+    d_qkv[:, :2H] (d_qkv has qkv's layout; its v heads are left alone)."""
+    T, heads3, D = qkv.shape
+    heads2 = 2 * heads3 // 3
+    if not _kernels_usable(qkv):  # the same formula in PyTorch (custom op bodies run without autograd)
+        compute = torch.promote_types(qkv.dtype, torch.float32)
+        c, s = cos[:T, None, :].to(compute), sin[:T, None, :].to(compute)
+        g1, g2 = d_qk.to(compute).chunk(2, dim=-1)
+        g = torch.cat([g1 * c - g2 * s, g1 * s + g2 * c], dim=-1)  # through the rotation (its transpose)
+        r = rstd[..., None].to(compute)
+        x = qkv[:, :heads2].to(compute) * r
+        d_qkv[:, :heads2] = ((g - x * (x * g).mean(-1, keepdim=True)) * r).to(d_qkv.dtype)
+        return
+    assert d_qk.is_contiguous() and d_qkv.is_contiguous() and qkv.is_contiguous()
+    rows = T * heads2
+    _qk_norm_rope_backward_kernel[(triton.cdiv(rows, QK_NORM_ROPE_ROWS),)](
+        d_qk, qkv, rstd, cos, sin, d_qkv, rows, HEADS2=heads2, D=D, ROW_STRIDE=heads3 * D,
+        BLOCK_R=QK_NORM_ROPE_ROWS, num_warps=4)
+
+
+@torch.library.custom_op("speedrun::fa4_qkv", mutates_args=())
+def fa4_qkv(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+            params: Tensor, which: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Attention from the raw projections qkv (T, 3H, D): q/k norm + rotary (one Triton pass), v (+ the value
+    embedding ve), FlashAttention-4. Returns (out, lse, and for the backward: the rotated q|k, the v that attention
+    read when ve is given (else an empty tensor: v is then a view of qkv), the norm's 1/rms)."""
+    heads = qkv.size(1) // 3
+    qk, rstd = qk_norm_rope(qkv, cos, sin)
+    v = qkv[:, 2 * heads:] if ve is None else qkv[:, 2 * heads:] + ve
+    out, lse = fa4_forward(qk[:, :heads], qk[:, heads:], v, cu_seqlens, max_seqlen, params, which)
+    return out, lse, qk, (v if ve is not None else qkv.new_empty(0)), rstd
+
+
+@fa4_qkv.register_fake
+def _(qkv, ve, cos, sin, cu_seqlens, max_seqlen, params, which):
+    T, heads3, D = qkv.shape
+    heads = heads3 // 3
+    return (qkv.new_empty((T, heads, D)), qkv.new_empty((heads, T), dtype=torch.float32),
+            qkv.new_empty((T, 2 * heads, D)), qkv.new_empty((T, heads, D) if ve is not None else (0,)),
+            qkv.new_empty((T, 2 * heads), dtype=torch.float32))
+
+
+@torch.library.custom_op("speedrun::fa4_qkv_backward", mutates_args=())
+def fa4_qkv_backward(grad_out: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, out: Tensor, lse: Tensor, qk: Tensor,
+                     v_used: Tensor, rstd: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
+                     which: int) -> Tensor:
+    """The gradient of qkv, written in place by FlashAttention-4's backward (dv) and the norm + rotary backward."""
+    heads = qkv.size(1) // 3
+    scale, window = attention_scalars(params, which)
+    v = v_used if v_used.numel() else qkv[:, 2 * heads:]
+    d_qkv = torch.empty_like(qkv)
+    d_qk = torch.empty_like(qk)
+    fa4_interface()._flash_attn_bwd(
+        qk[:, :heads], qk[:, heads:], v, out, grad_out, lse, scale, True, 0.0, window_size_left=window,
+        window_size_right=0, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen, dq=d_qk[:, :heads], dk=d_qk[:, heads:], dv=d_qkv[:, 2 * heads:])
+    qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv)
+    return d_qkv
+
+
+@fa4_qkv_backward.register_fake
+def _(grad_out, qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, max_seqlen, params, which):
+    return torch.empty_like(qkv)
+
+
+def _fa4_qkv_setup_context(ctx, inputs, output):
+    qkv, ve, cos, sin, cu_seqlens, max_seqlen, params, which = inputs
+    out, lse, qk, v_used, rstd = output
+    ctx.save_for_backward(qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, params)
+    ctx.max_seqlen, ctx.which, ctx.has_ve = max_seqlen, which, ve is not None
+
+
+def _fa4_qkv_backward(ctx, grad_out, *_):
+    qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, params = ctx.saved_tensors
+    d_qkv = torch.ops.speedrun.fa4_qkv_backward(grad_out.contiguous(), qkv, cos, sin, out, lse, qk, v_used, rstd,
+                                                cu_seqlens, ctx.max_seqlen, params, ctx.which)
+    d_ve = d_qkv[:, 2 * (qkv.size(1) // 3):] if ctx.has_ve else None  # v = qkv's v heads + ve: the same gradient
+    return d_qkv, d_ve, None, None, None, None, None, None
+
+
+fa4_qkv.register_autograd(_fa4_qkv_backward, setup_context=_fa4_qkv_setup_context)
+
+
+def attention_fa4_qkv(qkv, ve, yarn, cu_seqlens, max_seqlen, params, which):
+    """The FA4 backend from the raw projections qkv (T, 3H, D), with q/k norm + rotary fused (fa4_qkv)."""
+    return torch.ops.speedrun.fa4_qkv(qkv, ve, yarn.cos, yarn.sin, cu_seqlens, max_seqlen, params, which)[0]
 
 
 ATTENTION_BACKENDS = {"fa3": attention_fa3, "fa4": attention_fa4, "varlen": attention_varlen,
@@ -1659,16 +1842,21 @@ class CausalSelfAttention(nn.Module):
         nn.init.zeros_(self.attn_gate.weight)
         tag(self.attn_gate.weight, "attn_gate")
 
-    def forward(self, x, ve, sa_lambdas, cu_seqlens, max_seqlen, attn_params, which, yarn, attn_fn):
+    def forward(self, x, ve, sa_lambdas, cu_seqlens, max_seqlen, attn_params, which, yarn, attn_fn,
+                qkv_attn_fn=None):
         T, d = x.shape
         w = self.qkvo_w.type_as(x)
         # sa_lambdas are folded into the weights (a 768x2304 multiply is cheaper than a T x 2304 one).
-        qkv = F.linear(x, sa_lambdas[0] * w[:3 * d]).view(T, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.unbind(dim=1)
-        q, k = yarn.rotate(norm(q)), yarn.rotate(norm(k))
-        if ve is not None:
-            v = v + ve.view_as(v)
-        y = attn_fn(q, k, v, cu_seqlens, max_seqlen, attn_params, which)
+        qkv = F.linear(x, sa_lambdas[0] * w[:3 * d]).view(T, 3 * self.num_heads, self.head_dim)
+        if qkv_attn_fn is not None:  # the same norm, rotary and attention inside one op (fa4_qkv)
+            ve = None if ve is None else ve.view(T, self.num_heads, self.head_dim)
+            y = qkv_attn_fn(qkv, ve, yarn, cu_seqlens, max_seqlen, attn_params, which)
+        else:
+            q, k, v = qkv.view(T, 3, self.num_heads, self.head_dim).unbind(dim=1)
+            q, k = yarn.rotate(norm(q)), yarn.rotate(norm(k))
+            if ve is not None:
+                v = v + ve.view_as(v)
+            y = attn_fn(q, k, v, cu_seqlens, max_seqlen, attn_params, which)
         y = y * torch.sigmoid(F.linear(x[:, :12], self.attn_gate.weight)).unsqueeze(-1)
         return F.linear(y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
 
@@ -1805,10 +1993,12 @@ class GPT(nn.Module):
     NUM_SCALARS = 62               # 12 skip weights, 12x2 block lambdas, 12x2 SA lambdas, smear, backout
 
     def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1, attn_backend: str = "reference",
-                 fp8: bool = False, dynamic_seq_len: bool = False, mlp_kernel: str = "inductor"):
+                 fp8: bool = False, dynamic_seq_len: bool = False, mlp_kernel: str = "inductor",
+                 fused_qk_norm_rope: bool = False):
         """max_seq_len: longest packed micro-batch (rotary tables); world_size: pads the scalars for DistAdam;
         attn_backend: a key of ATTENTION_BACKENDS; fp8: FP8 lm_head in training; dynamic_seq_len: mark the token
-        dimension dynamic so one compiled graph serves every batch size; mlp_kernel: one of MLP_KERNELS."""
+        dimension dynamic so one compiled graph serves every batch size; mlp_kernel: one of MLP_KERNELS;
+        fused_qk_norm_rope: attention through fa4_qkv (needs attn_backend fa4)."""
         super().__init__()
         d, L = args.model_dim, args.num_layers
         self.vocab_size = next_multiple_of(args.vocab_size, 128)
@@ -1838,6 +2028,9 @@ class GPT(nn.Module):
         tag(self.lm_head.weight, "lm_head", 1.0)
         tag(self.scalars, "scalars", 5.0)
         self.attn_fn = ATTENTION_BACKENDS[attn_backend]
+        if fused_qk_norm_rope and attn_backend != "fa4":
+            raise ValueError("fused_qk_norm_rope needs the fa4 attention backend")
+        self.qkv_attn_fn = attention_fa4_qkv if fused_qk_norm_rope else None
         self.static_attention_params = attn_backend in ATTENTION_STATIC_PARAMS
         self.dynamic_seq_len = dynamic_seq_len
         self._trunk = self._head = None  # compiled regions, set by compile_regions()
@@ -1892,7 +2085,7 @@ class GPT(nn.Module):
                 which = 1 if i in self.LONG_WINDOW_LAYERS else 0
                 v = ve[self.VALUE_EMBED_OF_LAYER[i]] if i in self.VALUE_EMBED_OF_LAYER else None
                 x = x + block.attn(norm(x), v, sa_lambdas[i], cu_seqlens, max_seqlen, attn_params, which, self.yarn,
-                                   self.attn_fn)
+                                   self.attn_fn, self.qkv_attn_fn)
             if block.mlp is not None:
                 x = x + block.mlp(norm(x))
             if i == self.SKIP_FROM:
@@ -2657,6 +2850,7 @@ class Runtime:
     fp8: bool
     dynamic_seq_len: bool     # one compiled graph for every batch size
     mlp_kernel: str = "inductor"   # one of MLP_KERNELS
+    fused_qk_norm_rope: bool = False  # fa4_qkv: q/k norm + rotary fused into the FlashAttention-4 op
 
     @property
     def master(self) -> bool:
@@ -2671,7 +2865,7 @@ class Runtime:
                 f'fp8={int(self.fp8)} compile={int(self.compile)} dynamic_seq_len={int(self.dynamic_seq_len)} '
                 f'fused_fp8_head={int(fused_head)} ce_fast_math={int(fused_head and args.ce_fast_math)} '
                 f'fused_ce_forward={int(fused_head and args.fused_ce_forward)} '
-                f'mlp_kernel={self.mlp_kernel} '
+                f'mlp_kernel={self.mlp_kernel} fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
@@ -2714,7 +2908,8 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
                    attn_backend=backend,
                    compile=use_compile, fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
                    dynamic_seq_len=use_compile and args.dynamic_seq_len,
-                   mlp_kernel=resolve_mlp_kernel(args.mlp_kernel, device))
+                   mlp_kernel=resolve_mlp_kernel(args.mlp_kernel, device),
+                   fused_qk_norm_rope=args.fused_qk_norm_rope and backend == "fa4" and triton is not None)
     startup_mark("kernel libraries")  # resolving the backends imports FlashAttention-4's and quack's CuTe DSL
     return rt
 
@@ -2770,7 +2965,8 @@ def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
     micro_batches = rt.grad_accum_steps * rt.world_size  # per step, over all ranks
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
-                dynamic_seq_len=rt.dynamic_seq_len, mlp_kernel=rt.mlp_kernel).to(rt.device)
+                dynamic_seq_len=rt.dynamic_seq_len, mlp_kernel=rt.mlp_kernel,
+                fused_qk_norm_rope=rt.fused_qk_norm_rope).to(rt.device)
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
+from interpreter import run_in_triton_interpreter
 
 SMOKE = tg.Hyperparameters(**tg.SMOKE_PRESET)
 VOCAB_PADDED = 50304
@@ -632,3 +633,131 @@ def test_attention_ops_autograd_wiring_traces_with_their_fakes(backend):
         out = tg.ATTENTION_BACKENDS[backend](q, k, v, cu, 40, attn_params(0.5, 16), 1)
         dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+# ----------------------------------------------------------------------------------------------------
+# --fused-qk-norm-rope: the q/k norm + rotary pass inside the FA4 op (fa4_qkv)
+# ----------------------------------------------------------------------------------------------------
+
+class _ReferenceFA4WithOutputs(_ReferenceFA4):
+    """As _ReferenceFA4, but its backward writes into the dq, dk, dv buffers it is handed (FA4's out arguments),
+    which fa4_qkv uses to put dv straight into the qkv gradient."""
+
+    @classmethod
+    def _flash_attn_bwd(cls, q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
+                        window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq=None, dk=None,
+                        dv=None):
+        grads = super()._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
+                                        window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if dq is None:
+            return grads
+        for buf, g in zip((dq, dk, dv), grads):
+            buf.copy_(g)
+        return dq, dk, dv
+
+
+def qkv_case(T=64, H=2, D=16, seed=0):
+    torch.manual_seed(seed)
+    yarn = tg.Yarn(D, 128)
+    yarn.cos, yarn.sin = yarn.cos.double(), yarn.sin.double()  # tables in float64 for an exact comparison
+    qkv = torch.randn(T, 3 * H, D, dtype=torch.float64) * 2
+    ve = torch.randn(T, H, D, dtype=torch.float64)
+    return yarn, qkv, ve, tg.pack_cu_seqlens([20, 31, 13], T, 8), attn_params(0.3, 9, short_window=4)
+
+
+@pytest.mark.parametrize("with_ve", [False, True])
+def test_fused_qk_norm_rope_attention_equals_the_unfused_path_forward_and_backward(monkeypatch, with_ve):
+    """fa4_qkv (norm + rotary inside the op, dv written into the qkv gradient, ve's gradient = dv) against the
+    model's own ops (norm, Yarn.rotate, v + ve, the FA4 op), both on the same stand-in attention, float64."""
+    monkeypatch.setattr(tg, "fa4_interface", lambda: _ReferenceFA4WithOutputs)
+    yarn, qkv0, ve0, cu, params = qkv_case()
+    T, H3, D = qkv0.shape
+    H = H3 // 3
+    qkv, ve = qkv0.clone().requires_grad_(), ve0.clone().requires_grad_()
+    out = tg.attention_fa4_qkv(qkv, ve if with_ve else None, yarn, cu, 31, params, 1)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (qkv, ve) if with_ve else (qkv,), dout)
+
+    qkv_r, ve_r = qkv0.clone().requires_grad_(), ve0.clone().requires_grad_()
+    q, k, v = qkv_r.view(T, 3, H, D).unbind(1)
+    q, k = yarn.rotate(tg.norm(q)), yarn.rotate(tg.norm(k))
+    v = v + ve_r if with_ve else v
+    ref = tg.attention_fa4(q, k, v, cu, 31, params, 1)
+    ref_grads = torch.autograd.grad(ref, (qkv_r, ve_r) if with_ve else (qkv_r,), dout)
+    # the only difference: the norm's eps is float32's in both fused paths, float64's in F.rms_norm here
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_qk_norm_rope_op_fakes_trace_forward_and_backward():
+    """What torch.compile traces: the fakes' shapes for both ops, with and without the value embedding."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    yarn = tg.Yarn(8, 64)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for ve in (None, torch.randn(40, 2, 8, requires_grad=True)):
+            qkv = torch.randn(40, 6, 8, requires_grad=True)
+            out, lse, qk, v_used, rstd = torch.ops.speedrun.fa4_qkv(qkv, ve, yarn.cos, yarn.sin,
+                                                                    torch.zeros(8, dtype=torch.int32), 40,
+                                                                    attn_params(0.5, 16), 1)
+            assert [tuple(t.shape) for t in (out, lse, qk, rstd)] == [(40, 2, 8), (2, 40), (40, 4, 8), (40, 4)]
+            assert tuple(v_used.shape) == ((40, 2, 8) if ve is not None else (0,))
+            grads = torch.autograd.grad(out.sum(), (qkv,) if ve is None else (qkv, ve))
+            assert [tuple(g.shape) for g in grads] == [(40, 6, 8)] + ([(40, 2, 8)] if ve is not None else [])
+
+
+def test_fused_qk_norm_rope_is_on_by_default_with_fa4_only(monkeypatch):
+    """The flag is on by default; it takes effect with the fa4 backend only (the Run config line says which)."""
+    args = tg.parse_args([])
+    assert args.fused_qk_norm_rope is True
+    monkeypatch.setattr(tg, "resolve_attention_backend", lambda requested, device: "fa4")
+    monkeypatch.setattr(tg, "resolve_mlp_kernel", lambda requested, device: "inductor")
+    rt = tg.resolve_runtime(tg.parse_args(["--device", "cpu", "--compile", "off"]), env={})
+    assert rt.fused_qk_norm_rope == (tg.triton is not None) and "fused_qk_norm_rope=" in rt.config_line(args)
+    off = tg.resolve_runtime(tg.parse_args(["--device", "cpu", "--compile", "off", "--fused-qk-norm-rope", "false"]),
+                             env={})
+    assert not off.fused_qk_norm_rope
+    monkeypatch.setattr(tg, "resolve_attention_backend", lambda requested, device: "varlen")
+    assert not tg.resolve_runtime(tg.parse_args(["--device", "cpu", "--compile", "off"]), env={}).fused_qk_norm_rope
+
+
+QK_NORM_ROPE_SCRIPT = """
+import json, torch
+import train_gpt as tg
+assert tg._TRITON_INTERPRET
+out = []
+for T, H, D in [(37, 2, 16), (64, 3, 32), (5, 1, 8)]:  # T*2H rows: ragged against the 32-row tile
+    torch.manual_seed(T)
+    yarn = tg.Yarn(D, 128)
+    yarn.apply(3, 7)  # stretched (YaRN) tables, as after a window change
+    qkv = (torch.randn(T, 3 * H, D) * 2).float()
+    qk, rstd = tg.qk_norm_rope(qkv, yarn.cos, yarn.sin)  # the kernel (interpreter), fp32
+    x = qkv.double().view(T, 3, H, D)[:, :2].requires_grad_(True)
+    c, s = yarn.cos.double(), yarn.sin.double()
+    rot = lambda t: torch.cat([t.chunk(2, -1)[0] * c[:T, None, None] + t.chunk(2, -1)[1] * s[:T, None, None],
+                               t.chunk(2, -1)[1] * c[:T, None, None] - t.chunk(2, -1)[0] * s[:T, None, None]], -1)
+    ref = rot(torch.nn.functional.rms_norm(x, (D,), eps=torch.finfo(torch.float32).eps))  # the model: rotate(norm(x))
+    d_qk = torch.randn(T, 2 * H, D)
+    d_qkv = torch.full_like(qkv, float("nan"))  # the v heads must stay untouched
+    tg.qk_norm_rope_backward(d_qk, qkv, rstd, yarn.cos, yarn.sin, d_qkv)
+    ref_grad = torch.autograd.grad(ref, x, d_qk.double().view(T, 2, H, D))[0].reshape(T, 2 * H, D)
+    out.append(dict(shape=[T, H, D],
+                    fwd_rel_err=((qk.double() - ref.reshape(T, 2 * H, D)).abs().max() / ref.abs().max()).item(),
+                    rstd_rel_err=((rstd.double() - x.square().mean(-1).add(1.1920929e-07).rsqrt().reshape(T, 2 * H))
+                                  .abs().max() / rstd.double().abs().max()).item(),
+                    bwd_rel_err=((d_qkv[:, :2 * H].double() - ref_grad).abs().max() / ref_grad.abs().max()).item(),
+                    v_untouched=bool(d_qkv[:, 2 * H:].isnan().all()),
+                    qk_all_written=not bool(d_qkv[:, :2 * H].isnan().any())))
+print(json.dumps(out))
+"""
+
+
+def test_qk_norm_rope_kernels_match_float64_and_leave_the_v_heads_alone():
+    """Both Triton passes in the interpreter (fp32): the forward against the model's rotate(norm(x)) in float64
+    (YaRN-stretched tables, ragged last tile), the backward against float64 autograd, written into the q and k
+    heads of the qkv gradient only (the v heads are FlashAttention-4's to write)."""
+    rows = run_in_triton_interpreter(QK_NORM_ROPE_SCRIPT)
+    assert len(rows) == 3
+    for row in rows:
+        assert row["fwd_rel_err"] < 1e-6 and row["rstd_rel_err"] < 1e-6 and row["bwd_rel_err"] < 1e-5, row
+        assert row["v_untouched"] and row["qk_all_written"], row

@@ -9,6 +9,8 @@
   * attention backends (PyTorch's FA2 varlen kernels behind our op, FA3 / FA4 when installed) vs the plain-PyTorch
     reference, forward and backward; FA2 vs torch's public varlen_attn (same kernels: same bits)
   * FA4 vs FA2 on one stage-3 micro-batch, with both speeds recorded
+  * --fused-qk-norm-rope (q/k norm + rotary inside the FA4 op) vs Inductor's compile of the unfused lines, forward
+    and backward on a stage-3 micro-batch, with both speeds recorded
   * the ReLU² MLP on quack's fused GEMMs (when quack-kernels is installed) vs float32, forward and backward, next to
     Inductor's version of the same two lines
   * the three Triton orthogonalizer kernels vs float32 torch matmuls on the real shapes
@@ -32,6 +34,8 @@ from train_gpt import (  # noqa: E402
     FP8_GRAD_SCALE,
     ConfigError,
     Hyperparameters,
+    Yarn,
+    attention_fa4_qkv,
     attention_reference,
     ax_plus_bx,
     ba_plus_cAA,
@@ -324,6 +328,47 @@ def test_fa4_matches_fa2_on_a_stage3_micro_batch(window, gpu_results):
     diffs = [rel(a, b) for a, b in zip(outputs["fa4"], outputs["varlen"])]
     gpu_results[f"attention_fa4_vs_varlen_w{window}"] = dict(zip(("out", "dq", "dk", "dv"), diffs))
     assert max(diffs) < 2 * ATTENTION_BOUND, diffs  # two bf16 kernels, each within ATTENTION_BOUND of fp32
+
+
+@pytest.mark.parametrize("with_ve", [False, True])
+def test_fused_qk_norm_rope_matches_inductors_unfused_attention(with_ve, gpu_results):
+    """--fused-qk-norm-rope on one stage-3 micro-batch (49,152 tokens, YaRN-stretched tables): out and the qkv (and
+    value-embedding) gradients against the lines it replaces compiled by Inductor (the same FA4 kernels), and the
+    forward+backward time of each (recorded as qk_norm_rope_<ve|no_ve>)."""
+    fa4 = attention_backend("fa4", gpu_results)
+    T, H, D = 49152, 6, 128
+    lengths = document_lengths(T, np.random.default_rng(0), median=600, max_len=2048)
+    cu = pack_cu_seqlens(lengths, T, max_num_docs_for(T)).cuda()
+    yarn = Yarn(D, T).cuda()
+    yarn.apply(3, 7)
+    torch.manual_seed(0)
+    qkv = (torch.randn(T, 3 * H, D, device="cuda") * 0.5).bfloat16()
+    ve = torch.randn(T, H, D, device="cuda").bfloat16() if with_ve else None
+    g = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    params = attention_params("fa4", 1408)
+
+    def unfused(qkv, ve):
+        q, k, v = qkv.view(T, 3, H, D).unbind(1)
+        q, k = yarn.rotate(norm(q)), yarn.rotate(norm(k))
+        return fa4(q, k, v if ve is None else v + ve, cu, 2048, params, 1)
+
+    inductor = torch.compile(unfused, fullgraph=True, dynamic=False)
+    fused = lambda qkv, ve: attention_fa4_qkv(qkv, ve, yarn, cu, 2048, params, 1)  # noqa: E731
+    results, times = {}, {}
+    for name, fn in (("inductor", inductor), ("fused", fused)):
+        ins = [t.clone().requires_grad_() for t in (qkv, ve) if t is not None]
+        out = fn(*ins) if with_ve else fn(ins[0], None)
+        results[name] = (out, *torch.autograd.grad(out, ins, g))
+
+        def fwd_bwd():
+            o = fn(*ins) if with_ve else fn(ins[0], None)
+            torch.autograd.grad(o, ins, g)
+        times[name] = time_ms(fwd_bwd)
+    diffs = [rel(a, b) for a, b in zip(results["fused"], results["inductor"])]
+    r = gpu_results[f"qk_norm_rope_{'ve' if with_ve else 'no_ve'}"] = dict(
+        rel_diff=dict(zip(("out", "dqkv", "dve"), diffs)), fwd_bwd_ms=times)
+    assert all(t.dtype == torch.bfloat16 for t in results["fused"])
+    assert max(diffs) < 2e-3, r  # both round fp32 math to bf16 once; FA4 sees (nearly) the same q and k
 
 
 @pytest.mark.parametrize("n,m,k", [(10, 768, 768), (8, 768, 3072)])
