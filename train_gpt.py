@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,9 @@ class Hyperparameters:
                                       "it imports on such a GPU", ("auto", "quack", "inductor"))
     fused_qk_norm_rope: bool = setting(True, "with FlashAttention-4: q/k RMS norm + rotary as one Triton pass inside "
                                               "the attention op, whose backward writes dq, dk, dv into the qkv gradient")
+    fa4_launch_replay: bool = setting(True, "with FlashAttention-4: after the first call of each shape, launch its "
+                                             "compiled kernels directly (same kernels, same arguments), skipping "
+                                             "its Python interface's per-call planning")
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
                                      "with this torch/triton/GPU, written after the warm-up when not; empty: off")
@@ -821,12 +825,277 @@ def fa4_interface():
     return fa4
 
 
+# FlashAttention-4's Python interface plans each call from scratch (argument checks, tile and scheduler choices, a
+# compile-cache key of some sixty fields) before it launches a compiled kernel: a few hundred microseconds of CPU
+# per call, which is the step time wherever the GPU has little work per step (stage 1). What it launches depends
+# only on the shapes, strides and dtypes of its tensors and on its scalar arguments, so KernelLaunchReplay runs the
+# interface once per such signature while recording every kernel launch (from the library's compile caches), every
+# buffer it allocates and every buffer it zeroes, and for later calls with that signature does only that with the
+# new tensors: the same kernels, the same arguments. A signature whose call does anything else (a copy, a read of
+# a value on the host, an argument it cannot trace) stays on the interface.
+
+class _CannotReplay(Exception):
+    pass
+
+
+_ALLOC_OPS = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "zeros", "zeros_like",
+              "new_zeros")
+_VIEW_OPS = ("detach", "alias")
+
+
+class _RecordingCompileCache:
+    """Stands in for one of the library's compile caches during a recorded call: looking a kernel up returns it
+    wrapped, so that its launch is logged (with its arguments) before it runs."""
+
+    def __init__(self, cache, recorder):
+        self._cache, self._recorder = cache, recorder
+
+    def __contains__(self, key):
+        return key in self._cache
+
+    def __setitem__(self, key, value):
+        self._cache[key] = value
+
+    def __getitem__(self, key):
+        kernel = self._cache[key]
+
+        def launch(*args, **kwargs):
+            self._recorder.events.append(("launch", kernel, args, kwargs))
+            self._recorder.in_launch = True  # a kernel written in PyTorch (tests) is not the interface's work
+            try:
+                result = kernel(*args, **kwargs)
+            finally:
+                self._recorder.in_launch = False
+            if result is not None:
+                self._recorder.refusal = "a kernel launch returned a value"
+            return result
+
+        return launch
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+def _recording_mode(recorder):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpLog(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not recorder.in_launch:
+                recorder.events.append(("op", func, args, kwargs or {}, out))
+            return out
+
+    return OpLog()
+
+
+class _Recorder:
+    def __init__(self):
+        self.events, self.in_launch, self.refusal = [], False, None
+
+
+def _storage_key(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _Plan:
+    """One signature's recorded call: buffers to allocate, then zeroings and launches in their order."""
+
+    def __init__(self, buffers, steps, result):
+        self.buffers, self.steps, self.result = buffers, steps, result
+
+
+class KernelLaunchReplay:
+    """Per-signature record and replay of a kernel library's host path (see above). `modules`: the library's
+    modules whose functions carry a `compile_cache` (the caches the interface launches from)."""
+
+    def __init__(self, modules):
+        self.modules = modules  # a callable returning the modules (imported on first use)
+        self.enabled = False
+        self.plans = {}         # signature -> _Plan, or the reason it is not replayed
+        self.recorded = self.replayed = 0
+
+    def signature(self, inputs, key) -> tuple:
+        bases = []
+        parts = [key]
+        for t in inputs:
+            if t is None:
+                parts.append(None)
+                continue
+            base = _storage_key(t)
+            parts.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device,
+                          bases.index(base) if base in bases else -1))
+            bases.append(base)
+        return tuple(parts)
+
+    def run(self, call, inputs: tuple, key: tuple):
+        """call(): the library call on `inputs` (tensors or None) whose scalar arguments are all in `key`."""
+        if not self.enabled:
+            return call()
+        sig = self.signature(inputs, key)
+        plan = self.plans.get(sig)
+        if plan is None:
+            result, plan = self._record(call, inputs)
+            self.plans[sig] = plan
+            self.recorded += 1
+            return result
+        if isinstance(plan, str):
+            return call()
+        self.replayed += 1
+        return self._replay(plan, inputs)
+
+    def refusals(self) -> list:
+        return sorted({p for p in self.plans.values() if isinstance(p, str)})
+
+    # -- recording --
+    def _record(self, call, inputs):
+        recorder = _Recorder()
+        owners = [f for m in self.modules() for f in vars(m).values()
+                  if isinstance(f, types.FunctionType) and "compile_cache" in f.__dict__]
+        originals = [f.compile_cache for f in owners]
+        try:
+            for f, cache in zip(owners, originals):
+                f.compile_cache = _RecordingCompileCache(cache, recorder)
+            with _recording_mode(recorder):
+                result = call()
+        finally:
+            for f, cache in zip(owners, originals):
+                f.compile_cache = cache
+        try:
+            plan = self._plan(recorder, inputs, result)
+        except _CannotReplay as e:
+            plan = str(e)
+        return result, plan
+
+    def _plan(self, recorder, inputs, result) -> _Plan:
+        if recorder.refusal:
+            raise _CannotReplay(recorder.refusal)
+        buffers = {}   # storage -> (index, size, stride, dtype, device)
+        steps = []
+        input_storages = {}
+        for i, t in enumerate(inputs):
+            if t is not None:
+                input_storages.setdefault(_storage_key(t), i)
+
+        def tensor_slot(t: Tensor):
+            for i, x in enumerate(inputs):
+                if x is not None and x.data_ptr() == t.data_ptr() and x.shape == t.shape and \
+                        x.stride() == t.stride() and x.dtype == t.dtype:
+                    return ("in", i)
+            s = _storage_key(t)
+            if s in input_storages:
+                i = input_storages[s]
+                if t.dtype != inputs[i].dtype:
+                    raise _CannotReplay("a view of an input with another dtype")
+                return ("in_view", i, tuple(t.shape), t.stride(), t.storage_offset() - inputs[i].storage_offset())
+            if s in buffers:
+                b = buffers[s]
+                if t.shape == b[1] and t.stride() == b[2] and t.dtype == b[3] and t.storage_offset() == 0:
+                    return ("buf", b[0])
+                if t.dtype != b[3]:
+                    raise _CannotReplay("a view of a buffer with another dtype")
+                return ("buf_view", b[0], tuple(t.shape), t.stride(), t.storage_offset())
+            return ("const", t)  # held by the library across calls (it reuses it too)
+
+        def template(x):
+            if isinstance(x, Tensor):
+                return tensor_slot(x)
+            if isinstance(x, (tuple, list)):
+                items = [template(v) for v in x]
+                if all(s[0] == "const" for s in items):
+                    return ("const", x)
+                make = type(x)._make if hasattr(x, "_fields") else type(x)
+                return ("seq", make, items)
+            if isinstance(x, dict):
+                if any(isinstance(v, Tensor) for v in x.values()):
+                    raise _CannotReplay("tensors inside a dict argument")
+                return ("const", x)
+            held = getattr(x, "__dict__", None)
+            if held and any(isinstance(v, (Tensor, tuple, list)) for v in held.values()):
+                raise _CannotReplay(f"an argument of type {type(x).__name__} that may hold tensors")
+            return ("const", x)
+
+        launched = False
+        for event in recorder.events:
+            if event[0] == "launch":
+                _, kernel, args, kwargs = event
+                steps.append(("launch", kernel, [template(a) for a in args],
+                              {k: template(v) for k, v in kwargs.items()}))
+                launched = True
+                continue
+            _, func, args, kwargs, out = event
+            name = func.overloadpacket.__name__
+            if name in _ALLOC_OPS:
+                if out.untyped_storage().nbytes() != _dense_nbytes(out) or out.storage_offset() != 0:
+                    raise _CannotReplay(f"aten.{name} made a buffer its shape does not fill")
+                buffers[_storage_key(out)] = (len(buffers), out.shape, out.stride(), out.dtype, out.device)
+                if name.startswith(("zeros", "new_zeros")):
+                    steps.append(("zero", ("buf", len(buffers) - 1)))
+            elif func.is_view or name in _VIEW_OPS:
+                continue
+            elif name == "zero_" or (name == "fill_" and len(args) > 1 and not isinstance(args[1], Tensor)
+                                     and args[1] == 0):
+                steps.append(("zero", tensor_slot(args[0])))
+            elif name in ("item", "_local_scalar_dense", "equal", "is_nonzero"):
+                raise _CannotReplay(f"the call reads a tensor's value on the host (aten.{name})")
+            else:
+                raise _CannotReplay(f"the call runs aten.{name}")
+        if not launched:
+            raise _CannotReplay("the call launched no compiled kernel")
+        for step in steps:
+            if step[0] == "zero" and step[1][0] == "const":
+                raise _CannotReplay("the call zeroes a tensor it does not own")
+        return _Plan([b[1:] for b in sorted(buffers.values(), key=lambda b: b[0])], steps, template(result))
+
+    # -- replaying --
+    def _replay(self, plan: _Plan, inputs):
+        buffers = [torch.empty_strided(size, stride, dtype=dtype, device=device)
+                   for size, stride, dtype, device in plan.buffers]
+
+        def fill(s):
+            kind = s[0]
+            if kind == "const":
+                return s[1]
+            if kind == "in":
+                return inputs[s[1]]
+            if kind == "buf":
+                return buffers[s[1]]
+            if kind == "in_view":
+                base = inputs[s[1]]
+                return base.as_strided(s[2], s[3], base.storage_offset() + s[4])
+            if kind == "buf_view":
+                return buffers[s[1]].as_strided(s[2], s[3], s[4])
+            return s[1]([fill(v) for v in s[2]])  # seq
+
+        for step in plan.steps:
+            if step[0] == "launch":
+                step[1](*[fill(a) for a in step[2]], **{k: fill(v) for k, v in step[3].items()})
+            else:
+                fill(step[1]).zero_()
+        return fill(plan.result)
+
+
+def _dense_nbytes(t: Tensor) -> int:
+    """Bytes from element 0 to one past the last element that t's shape and strides reach."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+FA4_LAUNCHES = KernelLaunchReplay(lambda: [fa4_interface()])  # enabled by the trainer (--fa4-launch-replay)
+
+
 def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, params, which: int) -> tuple[Tensor, Tensor]:
     scale, window = attention_scalars(params, which)
-    out, lse, *_ = fa4_interface()._flash_attn_fwd(
-        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-        softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0, return_lse=True)
-    return out, lse
+
+    def call():
+        out, lse, *_ = fa4_interface()._flash_attn_fwd(
+            q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0,
+            return_lse=True)
+        return out, lse
+
+    return FA4_LAUNCHES.run(call, (q, k, v, cu_seqlens), ("forward", scale, window, max_seqlen))
 
 
 @torch.library.custom_op("speedrun::fa4_varlen", mutates_args=())
@@ -844,9 +1113,14 @@ def _(q, k, v, cu_seqlens, max_seqlen, params, which):
 def fa4_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         cu_seqlens: Tensor, max_seqlen: int, params: Tensor, which: int) -> tuple[Tensor, Tensor, Tensor]:
     scale, window = attention_scalars(params, which)
-    dq, dk, dv = fa4_interface()._flash_attn_bwd(
-        q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
-        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+
+    def call():
+        return tuple(fa4_interface()._flash_attn_bwd(
+            q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
+            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen))
+
+    dq, dk, dv = FA4_LAUNCHES.run(call, (grad_out, q, k, v, out, lse, cu_seqlens),
+                                  ("backward", scale, window, max_seqlen))
     return dq, dk, dv
 
 
@@ -1003,10 +1277,16 @@ def fa4_qkv_backward(grad_out: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, ou
     v = v_used if v_used.numel() else qkv[:, 2 * heads:]
     d_qkv = torch.empty_like(qkv)
     d_qk = torch.empty_like(qk)
-    fa4_interface()._flash_attn_bwd(
-        qk[:, :heads], qk[:, heads:], v, out, grad_out, lse, scale, True, 0.0, window_size_left=window,
-        window_size_right=0, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen, dq=d_qk[:, :heads], dk=d_qk[:, heads:], dv=d_qkv[:, 2 * heads:])
+    q, k, dq, dk, dv = qk[:, :heads], qk[:, heads:], d_qk[:, :heads], d_qk[:, heads:], d_qkv[:, 2 * heads:]
+
+    def call():
+        fa4_interface()._flash_attn_bwd(
+            q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
+            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+            dq=dq, dk=dk, dv=dv)
+
+    FA4_LAUNCHES.run(call, (grad_out, q, k, v, out, lse, cu_seqlens, dq, dk, dv),
+                     ("backward into", scale, window, max_seqlen))
     qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv)
     return d_qkv
 
@@ -2852,6 +3132,7 @@ class Runtime:
     dynamic_seq_len: bool     # one compiled graph for every batch size
     mlp_kernel: str = "inductor"   # one of MLP_KERNELS
     fused_qk_norm_rope: bool = False  # fa4_qkv: q/k norm + rotary fused into the FlashAttention-4 op
+    fa4_launch_replay: bool = False   # FA4_LAUNCHES: replay FlashAttention-4's recorded launches
 
     @property
     def master(self) -> bool:
@@ -2867,6 +3148,7 @@ class Runtime:
                 f'fused_fp8_head={int(fused_head)} ce_fast_math={int(fused_head and args.ce_fast_math)} '
                 f'fused_ce_forward={int(fused_head and args.fused_ce_forward)} '
                 f'mlp_kernel={self.mlp_kernel} fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
+                f'fa4_launch_replay={int(self.fa4_launch_replay)} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
@@ -2910,7 +3192,8 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
                    compile=use_compile, fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
                    dynamic_seq_len=use_compile and args.dynamic_seq_len,
                    mlp_kernel=resolve_mlp_kernel(args.mlp_kernel, device),
-                   fused_qk_norm_rope=args.fused_qk_norm_rope and backend == "fa4" and triton is not None)
+                   fused_qk_norm_rope=args.fused_qk_norm_rope and backend == "fa4" and triton is not None,
+                   fa4_launch_replay=args.fa4_launch_replay and backend == "fa4")
     startup_mark("kernel libraries")  # resolving the backends imports FlashAttention-4's and quack's CuTe DSL
     return rt
 
@@ -2968,6 +3251,7 @@ def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
                 dynamic_seq_len=rt.dynamic_seq_len, mlp_kernel=rt.mlp_kernel,
                 fused_qk_norm_rope=rt.fused_qk_norm_rope).to(rt.device)
+    FA4_LAUNCHES.enabled = rt.fa4_launch_replay  # the attention ops' host path (module state: the ops are global)
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)

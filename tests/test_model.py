@@ -1,5 +1,7 @@
 """Model: init loss, YaRN, rotary, reference attention, parameter table, layer map, gradients."""
+import collections
 import math
+import types
 
 import pytest
 import torch
@@ -719,6 +721,209 @@ def test_fused_qk_norm_rope_is_on_by_default_with_fa4_only(monkeypatch):
     assert not off.fused_qk_norm_rope
     monkeypatch.setattr(tg, "resolve_attention_backend", lambda requested, device: "varlen")
     assert not tg.resolve_runtime(tg.parse_args(["--device", "cpu", "--compile", "off"]), env={}).fused_qk_norm_rope
+
+
+# ----------------------------------------------------------------------------------------------------
+# KernelLaunchReplay: FlashAttention-4's host path recorded once per signature, then replayed
+
+AuxData = collections.namedtuple("AuxData", "tensors scalars")
+
+
+def standin_compiled_fa4(contiguous_copy=False, host_read=False):
+    """A module shaped like flash_attn.cute.interface: entry points that plan, allocate, and launch "compiled
+    kernels" from compile caches kept as function attributes (v as a view of another shape, as an interface may
+    pass a tensor). Its kernels compute dense_reference and its backward by hand; the backward accumulates dq in
+    an fp32 buffer its preprocess kernel zeroes, and checks a semaphore that the interface allocates zeroed (a
+    replay that skipped that zeroing would trip it).
+    contiguous_copy / host_read: the interface also copies q, or reads a value on the host (not replayable)."""
+    m = types.ModuleType("standin_fa4")
+    m.interface_calls = 0
+
+    def fwd_kernel(q, k, v_rows, out, lse, scale, cu_q, cu_k, aux, window_left, window_right):
+        out.copy_(dense_reference(q, k, v_rows.view(q.shape), cu_q, scale, window_left))
+        lse.copy_(q.float().square().sum(-1).T)  # any function of the inputs: the test compares it too
+
+    def pre_kernel(out, dout, dpsum, dq_accum):
+        dpsum.copy_((out * dout).sum(-1).T)
+        dq_accum.zero_()
+
+    def bwd_kernel(q, k, v, dout, dpsum, dq_accum, dk, dv, scale, cu_q, window_left, semaphore, aux):
+        assert semaphore.eq(0).all(), "semaphore not zeroed"
+        semaphore.add_(1)
+        mask = dense_mask(cu_q, q.size(0), window_left)
+        qh, kh, vh, dh = (t.transpose(0, 1) for t in (q, k, v, dout))
+        p = (scale * qh @ kh.transpose(1, 2)).masked_fill(~mask, float("-inf")).softmax(-1)
+        dp = dh @ vh.transpose(1, 2)
+        ds = p * (dp - dpsum.T.transpose(0, 1)[..., None])
+        dq_accum.add_((scale * ds @ kh).transpose(0, 1))
+        dk.copy_((scale * ds.transpose(1, 2) @ qh).transpose(0, 1))
+        dv.copy_((p.transpose(1, 2) @ dh).transpose(0, 1))
+
+    def post_kernel(dq_accum, dq):
+        dq.copy_(dq_accum)
+
+    def _flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                        window_size_left, window_size_right, return_lse):
+        m.interface_calls += 1
+        if contiguous_copy:
+            q = q.contiguous().clone()
+        if host_read:
+            assert cu_seqlens_q[-1].item() == q.size(0)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.size(1), q.size(0), dtype=torch.float32)
+        key = (q.dtype, q.size(-1), window_size_left is not None)
+        if key not in m._flash_attn_fwd.compile_cache:
+            m._flash_attn_fwd.compile_cache[key] = fwd_kernel
+        m._flash_attn_fwd.compile_cache[key](q.detach(), k.detach(), v.detach().view(v.size(0), -1), out, lse,
+                                             softmax_scale,
+                                             cu_seqlens_q, cu_seqlens_k, AuxData(None, None), window_size_left,
+                                             window_size_right)
+        return out, lse, None, None, None
+
+    def _bwd_preprocess(out, dout, dpsum, dq_accum):
+        if "pre" not in m._bwd_preprocess.compile_cache:
+            m._bwd_preprocess.compile_cache["pre"] = pre_kernel
+        m._bwd_preprocess.compile_cache["pre"](out, dout, dpsum, dq_accum)
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
+                        window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq=None,
+                        dk=None, dv=None):
+        m.interface_calls += 1
+        dq = torch.empty_like(q) if dq is None else dq
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
+        dq_accum = torch.empty(q.shape, dtype=torch.float64)
+        dpsum = torch.empty(q.size(1), q.size(0), dtype=q.dtype)
+        semaphore = torch.zeros(4, dtype=torch.int32)
+        m._bwd_preprocess(out, dout, dpsum, dq_accum)
+        m._flash_attn_bwd.compile_cache.setdefault("bwd", bwd_kernel)
+        m._flash_attn_bwd.compile_cache["bwd"](q.detach(), k.detach(), v.detach(), dout, dpsum, dq_accum, dk, dv,
+                                               softmax_scale, cu_seqlens_q, window_size_left, semaphore,
+                                               AuxData((), None))
+        m._bwd_postprocess.compile_cache.setdefault("post", post_kernel)
+        m._bwd_postprocess.compile_cache["post"](dq_accum, dq)
+        return dq, dk, dv
+
+    def _bwd_postprocess():
+        pass
+
+    for f in (_flash_attn_fwd, _bwd_preprocess, _flash_attn_bwd, _bwd_postprocess):
+        f.compile_cache = {}
+        setattr(m, f.__name__, f)
+    return m
+
+
+@pytest.fixture
+def replayed_standin(monkeypatch):
+    module = standin_compiled_fa4()
+    replay = tg.KernelLaunchReplay(lambda: [module])
+    replay.enabled = True
+    monkeypatch.setattr(tg, "fa4_interface", lambda: module)
+    monkeypatch.setattr(tg, "FA4_LAUNCHES", replay)
+    return module, replay
+
+
+def fa4_forward_backward(q, k, v, cu, params, which=1):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = tg.attention_fa4(q, k, v, cu, 31, params, which)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+
+
+def test_fa4_launch_replay_gives_the_interfaces_results_on_new_tensors_after_one_recorded_call(replayed_standin):
+    """Each signature (forward, backward) goes through the interface once; later calls with new tensors of the
+    same shapes replay its launches and give what the interface gives (compared with replay off)."""
+    module, replay = replayed_standin
+    T, H, D = 64, 2, 8
+    cu = tg.pack_cu_seqlens([20, 31, 13], T, 8)
+    params = attn_params(0.3, 9, short_window=4)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        q, k, v = (torch.randn(T, H, D, dtype=torch.float64) for _ in range(3))
+        got = fa4_forward_backward(q, k, v, cu, params)
+        replay.enabled = False
+        want = fa4_forward_backward(q, k, v, cu, params)
+        replay.enabled = True
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    assert replay.recorded == 2 and replay.replayed == 4 and replay.refusals() == []
+    assert module.interface_calls == 2 + 3 * 2  # 2 recorded + the 3 reference passes with replay off
+
+
+def test_fa4_launch_replay_records_again_for_a_new_window_scale_or_shape(replayed_standin):
+    """Scalars are baked into a recorded call, so a new window, scale or token count is a new signature."""
+    module, replay = replayed_standin
+    torch.manual_seed(0)
+    T, H, D = 64, 2, 8
+    q, k, v = (torch.randn(T, H, D, dtype=torch.float64) for _ in range(3))
+    cu = tg.pack_cu_seqlens([20, 31, 13], T, 8)
+    short_long = attn_params(0.3, 9, short_window=4)
+    outs = [fa4_forward_backward(q, k, v, cu, short_long, which) for which in (0, 1, 0, 1)]
+    assert replay.recorded == 4 and replay.replayed == 4
+    assert not torch.equal(outs[0][0], outs[1][0])  # the two windows differ ...
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[2]))  # ... and each replays its own
+    fa4_forward_backward(q, k, v, cu, attn_params(0.5, 9))
+    fa4_forward_backward(q[:40], k[:40], v[:40], tg.pack_cu_seqlens([20, 20], 40, 8), short_long)
+    assert replay.recorded == 8
+
+
+def test_fused_qk_norm_rope_backward_replays_into_the_callers_gradient_buffers(monkeypatch, replayed_standin):
+    """fa4_qkv's backward hands FA4 views of its own gradient buffers as dq, dk, dv: the replay writes into the
+    new call's buffers (views of the inputs), not the recorded ones."""
+    module, replay = replayed_standin
+    cu, params = tg.pack_cu_seqlens([20, 31, 13], 64, 8), attn_params(0.3, 9, short_window=4)
+    yarn = tg.Yarn(16, 128)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        qkv0 = torch.randn(64, 6, 16, dtype=torch.float64)
+        results = []
+        for enabled in (True, False):
+            replay.enabled = enabled
+            qkv = qkv0.clone().requires_grad_()
+            out = tg.attention_fa4_qkv(qkv, None, yarn, cu, 31, params, 1)
+            results.append((out.detach(), torch.autograd.grad(out, qkv, torch.ones_like(out))[0]))
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert replay.recorded == 2 and replay.replayed == 4 and replay.refusals() == []
+
+
+@pytest.mark.parametrize("flaw, reason", [("contiguous_copy", "aten.clone"), ("host_read", "on the host")])
+def test_fa4_launch_replay_leaves_calls_it_cannot_account_for_on_the_interface(monkeypatch, flaw, reason):
+    """An interface call that copies a tensor or reads one on the host is not replayable: its signature is
+    marked with the reason and every call goes through the interface (with correct results)."""
+    module = standin_compiled_fa4(**{flaw: True})
+    replay = tg.KernelLaunchReplay(lambda: [module])
+    replay.enabled = True
+    monkeypatch.setattr(tg, "fa4_interface", lambda: module)
+    monkeypatch.setattr(tg, "FA4_LAUNCHES", replay)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(64, 2, 8, dtype=torch.float64) for _ in range(3))
+    cu = tg.pack_cu_seqlens([20, 31, 13], 64, 8)
+    first = tg.attention_fa4(q, k, v, cu, 31, attn_params(0.3, 9), 1)
+    second = tg.attention_fa4(q, k, v, cu, 31, attn_params(0.3, 9), 1)
+    assert torch.equal(first, second) and torch.equal(first, dense_reference(q, k, v, cu, 0.3, 9))
+    assert module.interface_calls == 2 and replay.replayed == 0
+    assert any(reason in r for r in replay.refusals())
+
+
+def test_kernel_launch_replay_off_always_calls_the_library():
+    calls = []
+    replay = tg.KernelLaunchReplay(lambda: [])
+    assert replay.enabled is False
+    for _ in range(3):
+        replay.run(lambda: calls.append(1), (torch.zeros(2),), ("key",))
+    assert len(calls) == 3 and replay.plans == {}
+
+
+def test_fa4_launch_replay_is_on_by_default_with_fa4_only(monkeypatch):
+    """The flag is on by default, takes effect with the fa4 backend only, and the Run config line says which."""
+    assert tg.parse_args([]).fa4_launch_replay is True
+    monkeypatch.setattr(tg, "resolve_attention_backend", lambda requested, device: "fa4")
+    monkeypatch.setattr(tg, "resolve_mlp_kernel", lambda requested, device: "inductor")
+    cpu = ["--device", "cpu", "--compile", "off"]
+    rt = tg.resolve_runtime(tg.parse_args(cpu), env={})
+    assert rt.fa4_launch_replay and "fa4_launch_replay=1" in rt.config_line(tg.parse_args(cpu))
+    assert not tg.resolve_runtime(tg.parse_args(cpu + ["--fa4-launch-replay", "false"]), env={}).fa4_launch_replay
+    monkeypatch.setattr(tg, "resolve_attention_backend", lambda requested, device: "varlen")
+    assert not tg.resolve_runtime(tg.parse_args(cpu), env={}).fa4_launch_replay
 
 
 QK_NORM_ROPE_SCRIPT = """

@@ -11,6 +11,8 @@
   * FA4 vs FA2 on one stage-3 micro-batch, with both speeds recorded
   * --fused-qk-norm-rope (q/k norm + rotary inside the FA4 op) vs Inductor's compile of the unfused lines, forward
     and backward on a stage-3 micro-batch, with both speeds recorded
+  * --fa4-launch-replay: the FA4 ops with their recorded launches replayed vs through FA4's interface, bit for bit
+    (stage-1 and stage-3 micro-batches, both windows, both ops), and the host time per call of each
   * the ReLU² MLP on quack's fused GEMMs (when quack-kernels is installed) vs float32, forward and backward, next to
     Inductor's version of the same two lines
   * the three Triton orthogonalizer kernels vs float32 torch matmuls on the real shapes
@@ -29,6 +31,8 @@ import torch
 # Everything this file takes from train_gpt.py and bench/bench.py, in one place.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from bench import document_lengths  # noqa: E402  (bench/bench.py: the benchmark's synthetic documents)
+from quack_kernels_bench import host_us_per_call  # noqa: E402  (enqueue time while the GPU is kept busy)
+import train_gpt  # noqa: E402  (FA4_LAUNCHES: module state the attention ops read)
 from train_gpt import (  # noqa: E402
     ATTENTION_BACKENDS,
     FP8_GRAD_SCALE,
@@ -369,6 +373,66 @@ def test_fused_qk_norm_rope_matches_inductors_unfused_attention(with_ve, gpu_res
         rel_diff=dict(zip(("out", "dqkv", "dve"), diffs)), fwd_bwd_ms=times)
     assert all(t.dtype == torch.bfloat16 for t in results["fused"])
     assert max(diffs) < 2e-3, r  # both round fp32 math to bf16 once; FA4 sees (nearly) the same q and k
+
+
+@pytest.mark.parametrize("tokens", [16384, 49152])
+def test_fa4_launch_replay_is_bit_identical_to_the_interface(tokens, gpu_results, monkeypatch):
+    """--fa4-launch-replay on a stage-1 and a stage-3 micro-batch: both FA4 ops (attention_fa4, and fa4_qkv whose
+    backward writes into views of its gradient buffers), both windows, three fresh inputs each, with the memory
+    the replay allocates first filled with NaN by an earlier tensor. Each output and gradient equals what FA4's
+    interface gives bit for bit where two interface calls agree bit for bit (the forward; the backward's dq
+    accumulates with atomics, in no fixed order), and otherwise differs from it by at most 4x as much as two
+    interface calls differ from each other. Records each signature's refusal reason (none expected), the
+    differences, and the host time per call."""
+    attention_backend("fa4", gpu_results)
+    replay = train_gpt.KernelLaunchReplay(train_gpt.FA4_LAUNCHES.modules)
+    monkeypatch.setattr(train_gpt, "FA4_LAUNCHES", replay)
+    T, H, D = tokens, 6, 128
+    lengths = document_lengths(T, np.random.default_rng(0), median=600, max_len=2048)
+    cu = pack_cu_seqlens(lengths, T, max_num_docs_for(T)).cuda()
+    yarn = Yarn(D, T).cuda()
+    params = torch.tensor([[0.12, 384.0], [0.12, 896.0]], dtype=torch.float64)
+    fa4 = ATTENTION_BACKENDS["fa4"]
+
+    def run(kind, ins, which, g):
+        ins = [t.clone().requires_grad_() for t in ins]
+        if kind == "fa4":
+            out = fa4(*ins, cu, 2048, params, which)
+        else:
+            out = attention_fa4_qkv(ins[0], None, yarn, cu, 2048, params, which)
+        return (out, *torch.autograd.grad(out, ins, g))
+
+    mismatches, noise = [], {}
+    for seed in range(3):
+        torch.manual_seed(seed)
+        qkv = (torch.randn(T, 3 * H, D, device="cuda") * 0.5).bfloat16()
+        g = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+        for kind, ins in (("fa4", [t.contiguous() for t in qkv.view(T, 3, H, D).unbind(1)]), ("fa4_qkv", [qkv])):
+            for which in (0, 1):
+                replay.enabled = False
+                want, again = run(kind, ins, which, g), run(kind, ins, which, g)
+                replay.enabled = True
+                torch.full((4 * T * 3 * H * D,), float("nan"), device="cuda")  # freed at once: NaN for the replay
+                got = run(kind, ins, which, g)
+                for i, (a, b, c) in enumerate(zip(got, want, again)):
+                    apart, diff = (c - b).abs().max().item(), (a - b).abs().max().item()
+                    noise[f"{kind} w{which} #{i}"] = max(noise.get(f"{kind} w{which} #{i}", 0.0), apart)
+                    if not torch.isfinite(a).all() or diff > 4 * apart:
+                        mismatches.append(dict(seed=seed, op=kind, which=which, output=i, diff=diff, apart=apart))
+    q, k, v = (t.contiguous() for t in qkv.view(T, 3, H, D).unbind(1))
+    out, lse = torch.ops.speedrun.fa4_varlen(q, k, v, cu, 2048, params, 1)
+    host = {}
+    for enabled in (False, True):
+        replay.enabled = enabled
+        name = "replay" if enabled else "interface"
+        host[f"forward_{name}_us"] = host_us_per_call(lambda: torch.ops.speedrun.fa4_varlen(q, k, v, cu, 2048, params, 1))
+        host[f"backward_{name}_us"] = host_us_per_call(
+            lambda: torch.ops.speedrun.fa4_varlen_backward(g, q, k, v, out, lse, cu, 2048, params, 1))
+    r = gpu_results[f"fa4_launch_replay_{tokens}"] = dict(
+        recorded=replay.recorded, replayed=replay.replayed, refusals=replay.refusals(), mismatches=mismatches,
+        interface_run_to_run_max_abs=noise, host_us_per_call=host)
+    assert not replay.refusals() and replay.replayed >= 3 * 4 * 2 - replay.recorded, r
+    assert not mismatches, r
 
 
 @pytest.mark.parametrize("n,m,k", [(10, 768, 768), (8, 768, 3072)])
