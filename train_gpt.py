@@ -877,16 +877,28 @@ class _RecordingCompileCache:
 
 
 def _recording_mode(recorder):
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """A dispatch mode that logs every aten op the interface runs outside kernel launches (made on first use: the
+    mode's base class comes from a private torch module that this file imports only when FA4 is used)."""
+    global _OpLog
+    if _OpLog is None:
+        from torch.utils._python_dispatch import TorchDispatchMode
 
-    class OpLog(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not recorder.in_launch:
-                recorder.events.append(("op", func, args, kwargs or {}, out))
-            return out
+        class OpLog(TorchDispatchMode):
+            def __init__(self, recorder):
+                super().__init__()
+                self.recorder = recorder
 
-    return OpLog()
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not self.recorder.in_launch:
+                    self.recorder.events.append(("op", func, args, kwargs or {}, out))
+                return out
+
+        _OpLog = OpLog
+    return _OpLog(recorder)
+
+
+_OpLog = None
 
 
 class _Recorder:
@@ -903,6 +915,93 @@ class _Plan:
 
     def __init__(self, buffers, steps, result):
         self.buffers, self.steps, self.result = buffers, steps, result
+
+
+class _Planner:
+    """Turns a recorded call into a _Plan: each tensor the interface handed a kernel becomes a slot (one of the
+    call's inputs or a view of one, a buffer the call allocated or a view of one, or a tensor the library holds
+    across calls), and each event a step."""
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+        self.buffers = {}  # storage -> (index, size, stride, dtype, device)
+        self.input_storages = {}
+        for i, t in enumerate(inputs):
+            if t is not None:
+                self.input_storages.setdefault(_storage_key(t), i)
+
+    def tensor_slot(self, t: Tensor):
+        for i, x in enumerate(self.inputs):
+            if x is not None and x.data_ptr() == t.data_ptr() and x.shape == t.shape and \
+                    x.stride() == t.stride() and x.dtype == t.dtype:
+                return ("in", i)
+        s = _storage_key(t)
+        if s in self.input_storages:
+            i = self.input_storages[s]
+            if t.dtype != self.inputs[i].dtype:
+                raise _CannotReplay("a view of an input with another dtype")
+            return ("in_view", i, tuple(t.shape), t.stride(), t.storage_offset() - self.inputs[i].storage_offset())
+        if s in self.buffers:
+            b = self.buffers[s]
+            if t.shape == b[1] and t.stride() == b[2] and t.dtype == b[3] and t.storage_offset() == 0:
+                return ("buf", b[0])
+            if t.dtype != b[3]:
+                raise _CannotReplay("a view of a buffer with another dtype")
+            return ("buf_view", b[0], tuple(t.shape), t.stride(), t.storage_offset())
+        return ("const", t)  # held by the library across calls (it reuses it too)
+
+    def template(self, x):
+        if isinstance(x, Tensor):
+            return self.tensor_slot(x)
+        if isinstance(x, (tuple, list)):
+            items = [self.template(v) for v in x]
+            if all(s[0] == "const" for s in items):
+                return ("const", x)
+            make = type(x)._make if hasattr(x, "_fields") else type(x)
+            return ("seq", make, items)
+        if isinstance(x, dict):
+            if any(isinstance(v, Tensor) for v in x.values()):
+                raise _CannotReplay("tensors inside a dict argument")
+            return ("const", x)
+        held = getattr(x, "__dict__", None)
+        if held and any(isinstance(v, (Tensor, tuple, list)) for v in held.values()):
+            raise _CannotReplay(f"an argument of type {type(x).__name__} that may hold tensors")
+        return ("const", x)
+
+    def plan(self, recorder, result) -> _Plan:
+        if recorder.refusal:
+            raise _CannotReplay(recorder.refusal)
+        steps = []
+        for event in recorder.events:
+            if event[0] == "launch":
+                _, kernel, args, kwargs = event
+                steps.append(("launch", kernel, [self.template(a) for a in args],
+                              {k: self.template(v) for k, v in kwargs.items()}))
+                continue
+            _, func, args, kwargs, out = event
+            name = func.overloadpacket.__name__
+            if name in _ALLOC_OPS:
+                if out.untyped_storage().nbytes() != _dense_nbytes(out) or out.storage_offset() != 0:
+                    raise _CannotReplay(f"aten.{name} made a buffer its shape does not fill")
+                index = len(self.buffers)
+                self.buffers[_storage_key(out)] = (index, out.shape, out.stride(), out.dtype, out.device)
+                if name.startswith(("zeros", "new_zeros")):
+                    steps.append(("zero", ("buf", index)))
+            elif func.is_view or name in _VIEW_OPS:
+                continue
+            elif name == "zero_" or (name == "fill_" and len(args) > 1 and not isinstance(args[1], Tensor)
+                                     and args[1] == 0):
+                steps.append(("zero", self.tensor_slot(args[0])))
+            elif name in ("item", "_local_scalar_dense", "equal", "is_nonzero"):
+                raise _CannotReplay(f"the call reads a tensor's value on the host (aten.{name})")
+            else:
+                raise _CannotReplay(f"the call runs aten.{name}")
+        if not any(step[0] == "launch" for step in steps):
+            raise _CannotReplay("the call launched no compiled kernel")
+        if any(step[0] == "zero" and step[1][0] == "const" for step in steps):
+            raise _CannotReplay("the call zeroes a tensor it does not own")
+        buffers = [b[1:] for b in sorted(self.buffers.values(), key=lambda b: b[0])]
+        return _Plan(buffers, steps, self.template(result))
 
 
 class KernelLaunchReplay:
@@ -968,111 +1067,41 @@ class KernelLaunchReplay:
         return result, plan
 
     def _plan(self, recorder, inputs, result) -> _Plan:
-        if recorder.refusal:
-            raise _CannotReplay(recorder.refusal)
-        buffers = {}   # storage -> (index, size, stride, dtype, device)
-        steps = []
-        input_storages = {}
-        for i, t in enumerate(inputs):
-            if t is not None:
-                input_storages.setdefault(_storage_key(t), i)
-
-        def tensor_slot(t: Tensor):
-            for i, x in enumerate(inputs):
-                if x is not None and x.data_ptr() == t.data_ptr() and x.shape == t.shape and \
-                        x.stride() == t.stride() and x.dtype == t.dtype:
-                    return ("in", i)
-            s = _storage_key(t)
-            if s in input_storages:
-                i = input_storages[s]
-                if t.dtype != inputs[i].dtype:
-                    raise _CannotReplay("a view of an input with another dtype")
-                return ("in_view", i, tuple(t.shape), t.stride(), t.storage_offset() - inputs[i].storage_offset())
-            if s in buffers:
-                b = buffers[s]
-                if t.shape == b[1] and t.stride() == b[2] and t.dtype == b[3] and t.storage_offset() == 0:
-                    return ("buf", b[0])
-                if t.dtype != b[3]:
-                    raise _CannotReplay("a view of a buffer with another dtype")
-                return ("buf_view", b[0], tuple(t.shape), t.stride(), t.storage_offset())
-            return ("const", t)  # held by the library across calls (it reuses it too)
-
-        def template(x):
-            if isinstance(x, Tensor):
-                return tensor_slot(x)
-            if isinstance(x, (tuple, list)):
-                items = [template(v) for v in x]
-                if all(s[0] == "const" for s in items):
-                    return ("const", x)
-                make = type(x)._make if hasattr(x, "_fields") else type(x)
-                return ("seq", make, items)
-            if isinstance(x, dict):
-                if any(isinstance(v, Tensor) for v in x.values()):
-                    raise _CannotReplay("tensors inside a dict argument")
-                return ("const", x)
-            held = getattr(x, "__dict__", None)
-            if held and any(isinstance(v, (Tensor, tuple, list)) for v in held.values()):
-                raise _CannotReplay(f"an argument of type {type(x).__name__} that may hold tensors")
-            return ("const", x)
-
-        launched = False
-        for event in recorder.events:
-            if event[0] == "launch":
-                _, kernel, args, kwargs = event
-                steps.append(("launch", kernel, [template(a) for a in args],
-                              {k: template(v) for k, v in kwargs.items()}))
-                launched = True
-                continue
-            _, func, args, kwargs, out = event
-            name = func.overloadpacket.__name__
-            if name in _ALLOC_OPS:
-                if out.untyped_storage().nbytes() != _dense_nbytes(out) or out.storage_offset() != 0:
-                    raise _CannotReplay(f"aten.{name} made a buffer its shape does not fill")
-                buffers[_storage_key(out)] = (len(buffers), out.shape, out.stride(), out.dtype, out.device)
-                if name.startswith(("zeros", "new_zeros")):
-                    steps.append(("zero", ("buf", len(buffers) - 1)))
-            elif func.is_view or name in _VIEW_OPS:
-                continue
-            elif name == "zero_" or (name == "fill_" and len(args) > 1 and not isinstance(args[1], Tensor)
-                                     and args[1] == 0):
-                steps.append(("zero", tensor_slot(args[0])))
-            elif name in ("item", "_local_scalar_dense", "equal", "is_nonzero"):
-                raise _CannotReplay(f"the call reads a tensor's value on the host (aten.{name})")
-            else:
-                raise _CannotReplay(f"the call runs aten.{name}")
-        if not launched:
-            raise _CannotReplay("the call launched no compiled kernel")
-        for step in steps:
-            if step[0] == "zero" and step[1][0] == "const":
-                raise _CannotReplay("the call zeroes a tensor it does not own")
-        return _Plan([b[1:] for b in sorted(buffers.values(), key=lambda b: b[0])], steps, template(result))
+        try:
+            return _Planner(inputs).plan(recorder, result)
+        finally:
+            recorder.events.clear()  # the recorded call's tensors go now, not at the next gc pass
 
     # -- replaying --
-    def _replay(self, plan: _Plan, inputs):
+    @staticmethod
+    def _replay(plan: _Plan, inputs):
         buffers = [torch.empty_strided(size, stride, dtype=dtype, device=device)
                    for size, stride, dtype, device in plan.buffers]
-
-        def fill(s):
-            kind = s[0]
-            if kind == "const":
-                return s[1]
-            if kind == "in":
-                return inputs[s[1]]
-            if kind == "buf":
-                return buffers[s[1]]
-            if kind == "in_view":
-                base = inputs[s[1]]
-                return base.as_strided(s[2], s[3], base.storage_offset() + s[4])
-            if kind == "buf_view":
-                return buffers[s[1]].as_strided(s[2], s[3], s[4])
-            return s[1]([fill(v) for v in s[2]])  # seq
-
         for step in plan.steps:
             if step[0] == "launch":
-                step[1](*[fill(a) for a in step[2]], **{k: fill(v) for k, v in step[3].items()})
+                step[1](*[_fill(a, inputs, buffers) for a in step[2]],
+                        **{k: _fill(v, inputs, buffers) for k, v in step[3].items()})
             else:
-                fill(step[1]).zero_()
-        return fill(plan.result)
+                _fill(step[1], inputs, buffers).zero_()
+        return _fill(plan.result, inputs, buffers)
+
+
+def _fill(slot, inputs, buffers):
+    """The argument a recorded slot stands for in this call. (A plain function: a closure over `buffers` that
+    called itself would be a reference cycle, and keep each call's buffers alive until the next gc pass.)"""
+    kind = slot[0]
+    if kind == "const":
+        return slot[1]
+    if kind == "in":
+        return inputs[slot[1]]
+    if kind == "buf":
+        return buffers[slot[1]]
+    if kind == "in_view":
+        base = inputs[slot[1]]
+        return base.as_strided(slot[2], slot[3], base.storage_offset() + slot[4])
+    if kind == "buf_view":
+        return buffers[slot[1]].as_strided(slot[2], slot[3], slot[4])
+    return slot[1]([_fill(v, inputs, buffers) for v in slot[2]])  # a tuple, list or named tuple of slots
 
 
 def _dense_nbytes(t: Tensor) -> int:

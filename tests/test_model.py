@@ -1,7 +1,9 @@
 """Model: init loss, YaRN, rotary, reference attention, parameter table, layer map, gradients."""
 import collections
+import gc
 import math
 import types
+import weakref
 
 import pytest
 import torch
@@ -738,6 +740,7 @@ def standin_compiled_fa4(contiguous_copy=False, host_read=False):
     contiguous_copy / host_read: the interface also copies q, or reads a value on the host (not replayable)."""
     m = types.ModuleType("standin_fa4")
     m.interface_calls = 0
+    m.scratch_refs = []  # weak references to each backward's fp32 dq buffer
 
     def fwd_kernel(q, k, v_rows, out, lse, scale, cu_q, cu_k, aux, window_left, window_right):
         out.copy_(dense_reference(q, k, v_rows.view(q.shape), cu_q, scale, window_left))
@@ -748,6 +751,7 @@ def standin_compiled_fa4(contiguous_copy=False, host_read=False):
         dq_accum.zero_()
 
     def bwd_kernel(q, k, v, dout, dpsum, dq_accum, dk, dv, scale, cu_q, window_left, semaphore, aux):
+        m.scratch_refs.append(weakref.ref(dq_accum))
         assert semaphore.eq(0).all(), "semaphore not zeroed"
         semaphore.add_(1)
         mask = dense_mask(cu_q, q.size(0), window_left)
@@ -883,6 +887,24 @@ def test_fused_qk_norm_rope_backward_replays_into_the_callers_gradient_buffers(m
             results.append((out.detach(), torch.autograd.grad(out, qkv, torch.ones_like(out))[0]))
         assert all(torch.equal(a, b) for a, b in zip(*results))
     assert replay.recorded == 2 and replay.replayed == 4 and replay.refusals() == []
+
+
+def test_fa4_launch_replay_frees_its_buffers_when_the_call_returns(replayed_standin):
+    """The buffers a replayed call allocates (here the backward's fp32 dq accumulator) are gone as soon as the
+    call returns, without a garbage-collector pass: the trainer runs its timed steps with no collections, and a
+    buffer kept alive until the next one would pile up over the step."""
+    module, replay = replayed_standin
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(64, 2, 8, dtype=torch.float64) for _ in range(3))
+    cu, params = tg.pack_cu_seqlens([20, 31, 13], 64, 8), attn_params(0.3, 9)
+    gc.disable()
+    try:
+        for _ in range(3):
+            fa4_forward_backward(q, k, v, cu, params)
+        assert replay.replayed == 4 and len(module.scratch_refs) == 3
+        assert all(ref() is None for ref in module.scratch_refs)
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("flaw, reason", [("contiguous_copy", "aten.clone"), ("host_read", "on the host")])
