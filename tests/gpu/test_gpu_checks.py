@@ -380,10 +380,10 @@ def test_fa4_launch_replay_is_bit_identical_to_the_interface(tokens, gpu_results
     """--fa4-launch-replay on a stage-1 and a stage-3 micro-batch: both FA4 ops (attention_fa4, and fa4_qkv whose
     backward writes into views of its gradient buffers), both windows, three fresh inputs each, with the memory
     the replay allocates first filled with NaN by an earlier tensor. Each output and gradient equals what FA4's
-    interface gives bit for bit where two interface calls agree bit for bit (the forward; the backward's dq
-    accumulates with atomics, in no fixed order), and otherwise differs from it by at most 4x as much as two
-    interface calls differ from each other. Records each signature's refusal reason (none expected), the
-    differences, and the host time per call."""
+    interface gives bit for bit, except the gradient that holds dq: FA4's backward accumulates dq over key blocks
+    with atomic adds in no fixed order, so two interface calls differ there too (recorded); it must agree to well
+    within bf16 rounding. Records each signature's refusal reason (none expected), the differences, and the host
+    time per call."""
     attention_backend("fa4", gpu_results)
     replay = train_gpt.KernelLaunchReplay(train_gpt.FA4_LAUNCHES.modules)
     monkeypatch.setattr(train_gpt, "FA4_LAUNCHES", replay)
@@ -414,11 +414,12 @@ def test_fa4_launch_replay_is_bit_identical_to_the_interface(tokens, gpu_results
                 replay.enabled = True
                 torch.full((4 * T * 3 * H * D,), float("nan"), device="cuda")  # freed at once: NaN for the replay
                 got = run(kind, ins, which, g)
-                for i, (a, b, c) in enumerate(zip(got, want, again)):
-                    apart, diff = (c - b).abs().max().item(), (a - b).abs().max().item()
-                    noise[f"{kind} w{which} #{i}"] = max(noise.get(f"{kind} w{which} #{i}", 0.0), apart)
-                    if not torch.isfinite(a).all() or diff > 4 * apart:
-                        mismatches.append(dict(seed=seed, op=kind, which=which, output=i, diff=diff, apart=apart))
+                for i, (a, b, c) in enumerate(zip(got, want, again)):  # (out, dq, dk, dv) or (out, dqkv)
+                    name = f"{kind} w{which} {('out', 'dq', 'dk', 'dv')[i] if kind == 'fa4' else ('out', 'dqkv')[i]}"
+                    noise[name] = max(noise.get(name, 0.0), rel(c, b))
+                    holds_dq = i == 1
+                    if not torch.isfinite(a).all() or (rel(a, b) > 1e-3 if holds_dq else not torch.equal(a, b)):
+                        mismatches.append(dict(seed=seed, output=name, rel_diff=rel(a, b)))
     q, k, v = (t.contiguous() for t in qkv.view(T, 3, H, D).unbind(1))
     out, lse = torch.ops.speedrun.fa4_varlen(q, k, v, cu, 2048, params, 1)
     host = {}
@@ -430,7 +431,7 @@ def test_fa4_launch_replay_is_bit_identical_to_the_interface(tokens, gpu_results
             lambda: torch.ops.speedrun.fa4_varlen_backward(g, q, k, v, out, lse, cu, 2048, params, 1))
     r = gpu_results[f"fa4_launch_replay_{tokens}"] = dict(
         recorded=replay.recorded, replayed=replay.replayed, refusals=replay.refusals(), mismatches=mismatches,
-        interface_run_to_run_max_abs=noise, host_us_per_call=host)
+        interface_run_to_run_max_rel=noise, host_us_per_call=host)
     assert not replay.refusals() and replay.replayed >= 3 * 4 * 2 - replay.recorded, r
     assert not mismatches, r
 
