@@ -145,6 +145,9 @@ class Hyperparameters:
                                       "it imports on such a GPU", ("auto", "quack", "inductor"))
     fused_qk_norm_rope: bool = setting(True, "with FlashAttention-4: q/k RMS norm + rotary as one Triton pass inside "
                                               "the attention op, whose backward writes dq, dk, dv into the qkv gradient")
+    quack_plans: bool = setting(True, "with quack's MLP: launch its two fused GEMMs through quack's prepared plans "
+                                      "(one per shape) instead of its interface functions, which re-derive every "
+                                      "launch")
     fa4_launch_replay: bool = setting(True, "with FlashAttention-4: after the first call of each shape, launch its "
                                              "compiled kernels directly (same kernels, same arguments), skipping "
                                              "its Python interface's per-call planning")
@@ -2210,11 +2213,71 @@ def quack_on_this_gpu():
     return quack_gemm()
 
 
+# quack's interface functions (gemm_act, gemm_dact) derive each launch again on every call: operand unpacking, a
+# metadata key over every tensor, a cache probe, then the launch. Its epilogue objects also hand out the launch
+# prepared once for tensors of given dtypes, shapes and strides (EpiMod.plan -> EpiPlan, whose run() makes no host
+# decision), which QuackMLPPlans keeps per signature (--quack-plans): same kernels, same arguments, less CPU per call.
+
+class QuackMLPPlans:
+    def __init__(self):
+        self.enabled = False
+        self.plans = {}  # (which GEMM, dtype, shape and strides of each input) -> quack EpiPlan
+
+    def _plan(self, key, make_mod, A, B, C, out, dynamic_scheduler):
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = make_mod().plan(A, B, C, out=out, dynamic_scheduler=dynamic_scheduler,
+                                                     config=quack_mlp_config(A.device.type, A.device.index))
+        return plan
+
+    def gemm_act(self, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        """(x w, relu(x w)²) for x (T, k) and w (k, n), as quack's gemm_act(x, w, activation="relu_sq")."""
+        config = quack_mlp_config(x.device.type, x.device.index)
+        if not self.enabled:
+            return quack_gemm().gemm_act(x, w, activation="relu_sq", tuned=False, config=config)
+        pre = x.new_empty((x.size(0), w.size(1)))
+        h = torch.empty_like(pre)
+        out = {"D": pre, "mAuxOut": h}
+        key = ("act", x.dtype, x.shape, x.stride(), w.dtype, w.shape, w.stride())
+        plan = self._plan(key, _quack_relu2_forward_mod, x, w, None, out, dynamic_scheduler=False)
+        plan.run(x, w, None, out=out)
+        return pre, h
+
+    def gemm_dact(self, grad: Tensor, w: Tensor, pre: Tensor) -> tuple[Tensor, Tensor]:
+        """((grad w)·2relu(pre), relu(pre)²), as quack's gemm_dact(grad, w, pre, activation="relu_sq") with its
+        default dynamic tile scheduler (which counts tiles in a zeroed semaphore on Hopper)."""
+        config = quack_mlp_config(grad.device.type, grad.device.index)
+        if not self.enabled:
+            return quack_gemm().gemm_dact(grad, w, pre, activation="relu_sq", tuned=False, config=config)
+        dpre = grad.new_empty((grad.size(0), w.size(1)))
+        h = torch.empty_like(pre)
+        out = {"D": dpre, "mAuxOut": h}
+        key = ("dact", grad.dtype, grad.shape, grad.stride(), w.dtype, w.shape, w.stride(), pre.dtype, pre.shape,
+               pre.stride())
+        plan = self._plan(key, _quack_relu2_backward_mod, grad, w, pre, out, dynamic_scheduler=True)
+        hopper = grad.is_cuda and torch.cuda.get_device_capability(grad.device)[0] == 9
+        semaphore = torch.zeros(1, dtype=torch.int32, device=grad.device) if hopper else None
+        plan.run(grad, w, pre, out=out, tile_count_semaphore=semaphore)
+        return dpre, h
+
+
+def _quack_relu2_forward_mod():
+    from quack.epilogue.library import linear_act_mod
+    return linear_act_mod("relu_sq", gated=False, has_c=False, has_rowvec=False, has_colvec=False)
+
+
+def _quack_relu2_backward_mod():
+    from quack.epilogue.library import dact_mod
+    return dact_mod("relu_sq")
+
+
+QUACK_PLANS = QuackMLPPlans()  # enabled by the trainer (--quack-plans)
+
+
 @torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
 def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
     """(relu(x w_fcᵀ)² w_proj, the pre-activation x w_fcᵀ) for x (T, d) and w_fc, w_proj (4d, d), all bf16."""
-    pre, h = quack_gemm().gemm_act(x, w_fc.mT, activation="relu_sq", tuned=False,
-                                   config=quack_mlp_config(x.device.type, x.device.index))
+    pre, h = QUACK_PLANS.gemm_act(x, w_fc.mT)
     return h @ w_proj, pre
 
 
@@ -2228,8 +2291,7 @@ def relu2_mlp_backward(grad: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor,
                        pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw_fc, dw_proj). One fused GEMM gives d(pre) = (grad w_projᵀ)·2relu(pre) and h = relu(pre)²."""
     grad = grad.contiguous()
-    dpre, h = quack_gemm().gemm_dact(grad, w_proj.mT, pre, activation="relu_sq", tuned=False,
-                                     config=quack_mlp_config(grad.device.type, grad.device.index))
+    dpre, h = QUACK_PLANS.gemm_dact(grad, w_proj.mT, pre)
     return dpre @ w_fc, dpre.mT @ x, h.mT @ grad
 
 
@@ -3162,6 +3224,7 @@ class Runtime:
     mlp_kernel: str = "inductor"   # one of MLP_KERNELS
     fused_qk_norm_rope: bool = False  # fa4_qkv: q/k norm + rotary fused into the FlashAttention-4 op
     fa4_launch_replay: bool = False   # FA4_LAUNCHES: replay FlashAttention-4's recorded launches
+    quack_plans: bool = False         # QUACK_PLANS: quack's MLP GEMMs through its prepared plans
 
     @property
     def master(self) -> bool:
@@ -3177,7 +3240,7 @@ class Runtime:
                 f'fused_fp8_head={int(fused_head)} ce_fast_math={int(fused_head and args.ce_fast_math)} '
                 f'fused_ce_forward={int(fused_head and args.fused_ce_forward)} '
                 f'mlp_kernel={self.mlp_kernel} fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
-                f'fa4_launch_replay={int(self.fa4_launch_replay)} '
+                f'fa4_launch_replay={int(self.fa4_launch_replay)} quack_plans={int(self.quack_plans)} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
@@ -3215,14 +3278,16 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
     backend = resolve_attention_backend(args.attn_backend, device)
     if use_compile and backend == "reference":
         raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
+    mlp_kernel = resolve_mlp_kernel(args.mlp_kernel, device)
     rt = Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
                    world_size=world_size, launched="RANK" in env, grad_accum_steps=grad_accum_steps_for(world_size),
                    attn_backend=backend,
                    compile=use_compile, fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
                    dynamic_seq_len=use_compile and args.dynamic_seq_len,
-                   mlp_kernel=resolve_mlp_kernel(args.mlp_kernel, device),
+                   mlp_kernel=mlp_kernel,
                    fused_qk_norm_rope=args.fused_qk_norm_rope and backend == "fa4" and triton is not None,
-                   fa4_launch_replay=args.fa4_launch_replay and backend == "fa4")
+                   fa4_launch_replay=args.fa4_launch_replay and backend == "fa4",
+                   quack_plans=args.quack_plans and mlp_kernel == "quack")
     startup_mark("kernel libraries")  # resolving the backends imports FlashAttention-4's and quack's CuTe DSL
     return rt
 
@@ -3280,7 +3345,8 @@ def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
                 dynamic_seq_len=rt.dynamic_seq_len, mlp_kernel=rt.mlp_kernel,
                 fused_qk_norm_rope=rt.fused_qk_norm_rope).to(rt.device)
-    FA4_LAUNCHES.enabled = rt.fa4_launch_replay  # the attention ops' host path (module state: the ops are global)
+    FA4_LAUNCHES.enabled = rt.fa4_launch_replay  # the ops' host paths (module state: the ops are global)
+    QUACK_PLANS.enabled = rt.quack_plans
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)

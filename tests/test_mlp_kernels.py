@@ -113,3 +113,91 @@ def test_run_config_names_the_mlp_kernel_that_ran():
     rt = tg.resolve_runtime(args, env={})
     assert rt.mlp_kernel == "inductor"
     assert " mlp_kernel=inductor " in rt.config_line(args)
+
+
+class _ReferenceEpilogueMods:
+    """quack.epilogue.library's two mods as the trainer uses them: plan() once per signature (counted), whose
+    run() computes the GEMM and its epilogue into the given outputs."""
+    plans = []
+
+    class Mod:
+        def __init__(self, kind):
+            self.kind = kind
+
+        def plan(self, A, B, C=None, *, out, dynamic_scheduler=False, config=None):
+            _ReferenceEpilogueMods.plans.append((self.kind, tuple(A.shape), tuple(B.shape), dynamic_scheduler, config))
+            kind = self.kind
+
+            class Plan:
+                @staticmethod
+                def run(A, B, C=None, *, out, tile_count_semaphore=None):
+                    acc = A @ B
+                    if kind == "act":
+                        out["D"].copy_(acc)
+                        out["mAuxOut"].copy_(F.relu(acc).square())
+                    else:
+                        out["D"].copy_(acc * 2 * F.relu(C))
+                        out["mAuxOut"].copy_(F.relu(C).square())
+            return Plan()
+
+    @staticmethod
+    def linear_act_mod(activation, *, gated, has_c, has_rowvec, has_colvec, sr=False, has_alpha=False):
+        assert (activation, gated, has_c, has_rowvec, has_colvec, sr, has_alpha) == \
+            ("relu_sq", False, False, False, False, False, False)
+        return _ReferenceEpilogueMods.Mod("act")
+
+    @staticmethod
+    def dact_mod(activation, *, has_scale=False, has_reduce=False):
+        assert (activation, has_scale, has_reduce) == ("relu_sq", False, False)
+        return _ReferenceEpilogueMods.Mod("dact")
+
+
+@pytest.fixture
+def quack_plans(monkeypatch, stand_in_quack):
+    library = types.ModuleType("quack.epilogue.library")
+    library.linear_act_mod = _ReferenceEpilogueMods.linear_act_mod
+    library.dact_mod = _ReferenceEpilogueMods.dact_mod
+    for name, module in (("quack", types.ModuleType("quack")), ("quack.epilogue", types.ModuleType("quack.epilogue")),
+                         ("quack.epilogue.library", library)):
+        monkeypatch.setitem(sys.modules, name, module)
+    plans = tg.QuackMLPPlans()
+    plans.enabled = True
+    monkeypatch.setattr(tg, "QUACK_PLANS", plans)
+    _ReferenceEpilogueMods.plans = []
+    return plans
+
+
+def quack_mlp_forward_backward(x, w_fc, w_proj, grad):
+    x, w_fc, w_proj = (t.detach().requires_grad_() for t in (x, w_fc, w_proj))
+    out = torch.ops.speedrun.relu2_mlp(x, w_fc, w_proj)[0]
+    return (out.detach(), *torch.autograd.grad(out, (x, w_fc, w_proj), grad))
+
+
+def test_quack_plans_give_the_interfaces_results_with_one_plan_per_gemm_and_shape(quack_plans, stand_in_quack):
+    """--quack-plans: the MLP op's fused GEMMs go through quack's prepared plans, built once per signature (a new
+    token count builds new ones), and give what quack's interface functions give on every new input."""
+    for seed, T in ((0, 37), (1, 37), (2, 37), (3, 20)):
+        x, w_fc, w_proj = mlp_inputs(T=T, seed=seed)
+        grad = torch.randn(T, 8, dtype=torch.float64)
+        got = quack_mlp_forward_backward(x, w_fc, w_proj, grad)
+        quack_plans.enabled = False
+        want = quack_mlp_forward_backward(x, w_fc, w_proj, grad)
+        quack_plans.enabled = True
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    # B as (K, N) views of the weights; the backward GEMM with quack's default dynamic scheduler; no config off Hopper
+    assert _ReferenceEpilogueMods.plans == [("act", (37, 8), (8, 32), False, None), ("dact", (37, 8), (8, 32), True, None),
+                                            ("act", (20, 8), (8, 32), False, None), ("dact", (20, 8), (8, 32), True, None)]
+    assert [c[0] for c in stand_in_quack.calls] == ["act", "dact"] * 4  # only the reference passes
+
+
+def test_quack_plans_is_on_by_default_with_quacks_mlp_only(monkeypatch):
+    """The flag is on by default, takes effect with quack's MLP only, and the Run config line says which."""
+    assert tg.parse_args([]).quack_plans is True
+    cpu = ["--device", "cpu", "--compile", "off"]
+    monkeypatch.setattr(tg, "resolve_mlp_kernel", lambda requested, device: "quack")
+    rt = tg.resolve_runtime(tg.parse_args(cpu), env={})
+    assert rt.quack_plans and "quack_plans=1" in rt.config_line(tg.parse_args(cpu))
+    assert not tg.resolve_runtime(tg.parse_args(cpu + ["--quack-plans", "false"]), env={}).quack_plans
+    monkeypatch.setattr(tg, "resolve_mlp_kernel", lambda requested, device: "inductor")
+    assert not tg.resolve_runtime(tg.parse_args(cpu), env={}).quack_plans

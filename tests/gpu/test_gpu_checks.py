@@ -13,6 +13,8 @@
     and backward on a stage-3 micro-batch, with both speeds recorded
   * --fa4-launch-replay: the FA4 ops with their recorded launches replayed vs through FA4's interface, bit for bit
     (stage-1 and stage-3 micro-batches, both windows, both ops), and the host time per call of each
+  * --quack-plans: the MLP op through quack's prepared plans vs through its interface functions, bit for bit, and
+    the host time per call of each
   * the ReLU² MLP on quack's fused GEMMs (when quack-kernels is installed) vs float32, forward and backward, next to
     Inductor's version of the same two lines
   * the three Triton orthogonalizer kernels vs float32 torch matmuls on the real shapes
@@ -268,6 +270,52 @@ def test_quack_relu2_mlp_matches_float32_like_inductor(tokens, gpu_results):
                                                   columns=list(errors))
     for q, i in zip(errors["quack"], errors["inductor"]):
         assert q < 1.5 * i + 1e-3, r   # bench/quack_kernels_bench.py measured quack at or below Inductor
+
+
+@pytest.mark.parametrize("tokens", [16384, 49152])
+def test_quack_plans_are_bit_identical_to_quacks_interface(tokens, gpu_results, monkeypatch):
+    """--quack-plans: the MLP op's forward and backward through quack's prepared plans against quack's interface
+    functions, three fresh inputs with the memory first filled with NaN: bit for bit (the same GEMM kernels, no
+    atomics). Records the plans built and the host time per call of each path."""
+    try:
+        resolve_mlp_kernel("quack", "cuda")
+    except ConfigError as e:
+        pytest.skip(str(e))
+    plans = train_gpt.QuackMLPPlans()
+    monkeypatch.setattr(train_gpt, "QUACK_PLANS", plans)
+    d = 768
+
+    def run(x, w_fc, w_proj, g):
+        ins = [t.clone().requires_grad_() for t in (x, w_fc, w_proj)]
+        out = torch.ops.speedrun.relu2_mlp(*ins)[0]
+        return (out, *torch.autograd.grad(out, ins, g))
+
+    mismatches = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = norm(torch.randn(tokens, d, device="cuda")).bfloat16()
+        w_fc = (torch.randn(4 * d, d, device="cuda") * d ** -0.5).bfloat16()
+        w_proj = (torch.randn(4 * d, d, device="cuda") * (4 * d) ** -0.5).bfloat16()
+        g = (torch.randn(tokens, d, device="cuda") * 1e-3).bfloat16()
+        plans.enabled = False
+        want = run(x, w_fc, w_proj, g)
+        plans.enabled = True
+        torch.full((8 * tokens * 4 * d,), float("nan"), device="cuda")  # freed at once: NaN for the outputs
+        got = run(x, w_fc, w_proj, g)
+        mismatches += [(seed, name) for name, a, b in zip(("out", "dx", "dw_fc", "dw_proj"), got, want)
+                       if not torch.equal(a, b)]
+    x, w_fc, w_proj = (t.detach() for t in (x, w_fc, w_proj))
+    pre = x @ w_fc.T
+    host = {}
+    for enabled in (False, True):
+        plans.enabled = enabled
+        name = "plans" if enabled else "interface"
+        host[f"forward_{name}_us"] = host_us_per_call(lambda: torch.ops.speedrun.relu2_mlp(x, w_fc, w_proj))
+        host[f"backward_{name}_us"] = host_us_per_call(
+            lambda: torch.ops.speedrun.relu2_mlp_backward(g, x, w_fc, w_proj, pre))
+    r = gpu_results[f"quack_plans_{tokens}"] = dict(plans=len(plans.plans), mismatches=mismatches,
+                                                    host_us_per_call=host)
+    assert len(plans.plans) == 2 and not mismatches, r
 
 
 @pytest.mark.parametrize("window", [384, 1408])
