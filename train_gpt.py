@@ -4,7 +4,8 @@ One file, read top to bottom, one concept per section:
     config          Hyperparameters (the December 2025 record's values as defaults) and the command line
     lm_head         FP8 matmul, softcapped cross-entropy, its fused Triton backward, the LMHead module
     attention       backends: FlashAttention-3 / -4, PyTorch's FlashAttention-2 varlen kernels, a reference;
-                    FlashAttention-4 with the q/k norm and rotary fused in (one Triton pass)
+                    FlashAttention-4 with the q/k norm and rotary fused in (one Triton pass); FA4's launches
+                    recorded once per shape and replayed without its Python interface
     orthogonalizers Polar Express and Turbo-Muon with their symmetric Triton kernels
     NorMuon         sharded (reduce-scatter -> update -> all-gather) Muon with row normalisation
     DistAdam        ZeRO-1 Adam for embeddings, lm_head and scalars
