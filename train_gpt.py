@@ -1019,6 +1019,8 @@ class KernelLaunchReplay:
         self.recorded = self.replayed = 0
 
     def signature(self, inputs, key) -> tuple:
+        """Everything the recorded launches may depend on besides the tensors' values: the caller's scalars, and
+        per input its shape, strides, offset, dtype, device, address alignment and which inputs share storage."""
         bases = []
         parts = [key]
         for t in inputs:
@@ -1026,7 +1028,8 @@ class KernelLaunchReplay:
                 parts.append(None)
                 continue
             base = _storage_key(t)
-            parts.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device,
+            # the address modulo 16 too: FA4's interface copies an input whose pointer is not 16-byte aligned
+            parts.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.data_ptr() % 16,
                           bases.index(base) if base in bases else -1))
             bases.append(base)
         return tuple(parts)

@@ -926,6 +926,22 @@ def test_fa4_launch_replay_leaves_calls_it_cannot_account_for_on_the_interface(m
     assert any(reason in r for r in replay.refusals())
 
 
+def test_fa4_launch_replay_signature_tells_apart_alignment_aliasing_and_layout():
+    """Inputs that differ only in what the interface may branch on (pointer alignment: FA4 copies an input that is
+    not 16-byte aligned; shared storage; strides) get different signatures, so each is recorded on its own."""
+    replay = tg.KernelLaunchReplay(lambda: [])
+    base = torch.zeros(4096, dtype=torch.bfloat16)
+    aligned, misaligned = base[:1024].view(64, 16), base[1:1025].view(64, 16)
+    other = torch.zeros(64, 16, dtype=torch.bfloat16)
+    key = ("forward", 0.5, 9, 31)
+    sig = replay.signature((aligned, other), key)
+    assert sig == replay.signature((torch.zeros(4096, dtype=torch.bfloat16)[:1024].view(64, 16), other.clone()), key)
+    assert sig != replay.signature((misaligned, other), key)               # same layout, address off by 2 bytes
+    assert sig != replay.signature((aligned, base[2048:3072].view(64, 16)), key)  # the second input aliases the first
+    assert sig != replay.signature((aligned, other.t().contiguous().t()), key)    # strides
+    assert sig != replay.signature((aligned, other), ("forward", 0.5, 10, 31))     # a scalar
+
+
 def test_kernel_launch_replay_off_always_calls_the_library():
     calls = []
     replay = tg.KernelLaunchReplay(lambda: [])
