@@ -876,6 +876,9 @@ class _RecordingCompileCache:
 
         return launch
 
+    def get(self, key, default=None):
+        return self[key] if key in self._cache else default
+
     def __getattr__(self, name):
         return getattr(self._cache, name)
 
@@ -1012,8 +1015,10 @@ class KernelLaunchReplay:
     """Per-signature record and replay of a kernel library's host path (see above). `modules`: the library's
     modules whose functions carry a `compile_cache` (the caches the interface launches from)."""
 
-    def __init__(self, modules):
+    def __init__(self, modules, check=None):
         self.modules = modules  # a callable returning the modules (imported on first use)
+        self.check = check      # a callable: None where replay is safe, else the reason it is not (asked once)
+        self.unsafe = None      # the check's reason, once asked
         self.enabled = False
         self.plans = {}         # signature -> _Plan, or the reason it is not replayed
         self.recorded = self.replayed = 0
@@ -1055,6 +1060,10 @@ class KernelLaunchReplay:
 
     # -- recording --
     def _record(self, call, inputs):
+        if self.check is not None:
+            self.unsafe, self.check = self.check(), None
+        if self.unsafe:
+            return call(), self.unsafe
         recorder = _Recorder()
         owners = [f for m in self.modules() for f in vars(m).values()
                   if isinstance(f, types.FunctionType) and "compile_cache" in f.__dict__]
@@ -1118,7 +1127,19 @@ def _dense_nbytes(t: Tensor) -> int:
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
-FA4_LAUNCHES = KernelLaunchReplay(lambda: [fa4_interface()])  # enabled by the trainer (--fa4-launch-replay)
+def fa4_replay_check():
+    """Replay only the FlashAttention-4 release it was checked against on the GPU (tests/gpu): another release may
+    launch a kernel some other way than through its compile caches, which a recording would miss."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        found = version("flash-attn-4")
+    except PackageNotFoundError:
+        return "flash-attn-4's release is unknown (no package metadata)"
+    return None if found in FA4_REPLAY_VERIFIED else f"flash-attn-4 {found} is not a release the replay was checked with"
+
+
+FA4_REPLAY_VERIFIED = ("4.0.0b36",)
+FA4_LAUNCHES = KernelLaunchReplay(lambda: [fa4_interface()], fa4_replay_check)  # enabled by the trainer
 
 
 def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, params, which: int) -> tuple[Tensor, Tensor]:

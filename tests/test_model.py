@@ -942,6 +942,37 @@ def test_fa4_launch_replay_signature_tells_apart_alignment_aliasing_and_layout()
     assert sig != replay.signature((aligned, other), ("forward", 0.5, 10, 31))     # a scalar
 
 
+def test_fa4_launch_replay_stays_on_the_interface_for_an_unchecked_release(monkeypatch):
+    """A library release the replay was not checked with is never recorded: every call goes through the interface
+    and the reason is listed once (the check itself runs once)."""
+    module = standin_compiled_fa4()
+    checks = []
+    replay = tg.KernelLaunchReplay(lambda: [module], lambda: checks.append(1) or "flash-attn-4 9.9 is not checked")
+    replay.enabled = True
+    monkeypatch.setattr(tg, "fa4_interface", lambda: module)
+    monkeypatch.setattr(tg, "FA4_LAUNCHES", replay)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(64, 2, 8, dtype=torch.float64) for _ in range(3))
+    cu = tg.pack_cu_seqlens([20, 31, 13], 64, 8)
+    for window in (9, 9, 5):
+        fa4_forward_backward(q, k, v, cu, attn_params(0.3, window))
+    assert module.interface_calls == 6 and replay.replayed == 0 and len(checks) == 1
+    assert replay.refusals() == ["flash-attn-4 9.9 is not checked"]
+
+
+def test_fa4_replay_check_accepts_the_checked_release_only(monkeypatch):
+    import importlib.metadata
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.0.0b36")
+    assert tg.fa4_replay_check() is None
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.0.0")
+    assert "4.0.0" in tg.fa4_replay_check()
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert "unknown" in tg.fa4_replay_check()
+
+
 def test_kernel_launch_replay_off_always_calls_the_library():
     calls = []
     replay = tg.KernelLaunchReplay(lambda: [])

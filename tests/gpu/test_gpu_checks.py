@@ -433,7 +433,7 @@ def test_fa4_launch_replay_is_bit_identical_to_the_interface(tokens, gpu_results
     within bf16 rounding. Records each signature's refusal reason (none expected), the differences, and the host
     time per call."""
     attention_backend("fa4", gpu_results)
-    replay = train_gpt.KernelLaunchReplay(train_gpt.FA4_LAUNCHES.modules)
+    replay = train_gpt.KernelLaunchReplay(train_gpt.FA4_LAUNCHES.modules, train_gpt.fa4_replay_check)
     monkeypatch.setattr(train_gpt, "FA4_LAUNCHES", replay)
     T, H, D = tokens, 6, 128
     lengths = document_lengths(T, np.random.default_rng(0), median=600, max_len=2048)
