@@ -835,9 +835,9 @@ def fa4_interface():
 # only on the shapes, strides, dtypes and alignment of its tensors and on its scalar arguments, so KernelLaunchReplay
 # runs the interface once per such signature while recording every kernel launch (from the library's compile
 # caches), every buffer it allocates and every buffer it zeroes, and for later calls with that signature does only
-# that with the new tensors: the same kernels, the same arguments. A signature whose call does anything else (a copy, a read of
-# a value on the host, an argument it cannot trace) stays on the interface, and so does every call of a release
-# the replay was not checked with.
+# that with the new tensors: the same kernels, the same arguments. A signature whose call does anything else (a
+# copy, a read of a value on the host, an argument it cannot trace) stays on the interface, and so does every call
+# of a release the replay was not checked with.
 
 class _CannotReplay(Exception):
     pass
