@@ -1136,7 +1136,9 @@ def fa4_replay_check():
         found = version("flash-attn-4")
     except PackageNotFoundError:
         return "flash-attn-4's release is unknown (no package metadata)"
-    return None if found in FA4_REPLAY_VERIFIED else f"flash-attn-4 {found} is not a release the replay was checked with"
+    if found in FA4_REPLAY_VERIFIED:
+        return None
+    return f"flash-attn-4 {found} is not a release the replay was checked with"
 
 
 FA4_REPLAY_VERIFIED = ("4.0.0b36",)

@@ -186,8 +186,9 @@ def test_quack_plans_give_the_interfaces_results_with_one_plan_per_gemm_and_shap
         for a, b in zip(got, want):
             assert torch.equal(a, b)
     # B as (K, N) views of the weights; the backward GEMM with quack's default dynamic scheduler; no config off Hopper
-    assert _ReferenceEpilogueMods.plans == [("act", (37, 8), (8, 32), False, None), ("dact", (37, 8), (8, 32), True, None),
-                                            ("act", (20, 8), (8, 32), False, None), ("dact", (20, 8), (8, 32), True, None)]
+    assert _ReferenceEpilogueMods.plans == [
+        ("act", (37, 8), (8, 32), False, None), ("dact", (37, 8), (8, 32), True, None),
+        ("act", (20, 8), (8, 32), False, None), ("dact", (20, 8), (8, 32), True, None)]
     assert [c[0] for c in stand_in_quack.calls] == ["act", "dact"] * 4  # only the reference passes
 
 

@@ -474,7 +474,8 @@ def test_fa4_launch_replay_is_bit_identical_to_the_interface(tokens, gpu_results
     for enabled in (False, True):
         replay.enabled = enabled
         name = "replay" if enabled else "interface"
-        host[f"forward_{name}_us"] = host_us_per_call(lambda: torch.ops.speedrun.fa4_varlen(q, k, v, cu, 2048, params, 1))
+        host[f"forward_{name}_us"] = host_us_per_call(
+            lambda: torch.ops.speedrun.fa4_varlen(q, k, v, cu, 2048, params, 1))
         host[f"backward_{name}_us"] = host_us_per_call(
             lambda: torch.ops.speedrun.fa4_varlen_backward(g, q, k, v, out, lse, cu, 2048, params, 1))
     r = gpu_results[f"fa4_launch_replay_{tokens}"] = dict(
