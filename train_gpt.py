@@ -1158,6 +1158,22 @@ def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, params, which: int) -> tup
     return FA4_LAUNCHES.run(call, (q, k, v, cu_seqlens), ("forward", scale, window, max_seqlen))
 
 
+def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, params, which: int, dq=None, dk=None,
+                 dv=None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), written into the dq, dk, dv given (views of a caller's gradient buffers) where they are."""
+    scale, window = attention_scalars(params, which)
+    into = {} if dq is None else dict(dq=dq, dk=dk, dv=dv)
+
+    def call():
+        return tuple(fa4_interface()._flash_attn_bwd(
+            q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
+            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+            **into))
+
+    return FA4_LAUNCHES.run(call, (grad_out, q, k, v, out, lse, cu_seqlens, dq, dk, dv),
+                            ("backward", scale, window, max_seqlen))
+
+
 @torch.library.custom_op("speedrun::fa4_varlen", mutates_args=())
 def fa4_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
                which: int) -> tuple[Tensor, Tensor]:
@@ -1172,16 +1188,7 @@ def _(q, k, v, cu_seqlens, max_seqlen, params, which):
 @torch.library.custom_op("speedrun::fa4_varlen_backward", mutates_args=())
 def fa4_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         cu_seqlens: Tensor, max_seqlen: int, params: Tensor, which: int) -> tuple[Tensor, Tensor, Tensor]:
-    scale, window = attention_scalars(params, which)
-
-    def call():
-        return tuple(fa4_interface()._flash_attn_bwd(
-            q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
-            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen))
-
-    dq, dk, dv = FA4_LAUNCHES.run(call, (grad_out, q, k, v, out, lse, cu_seqlens),
-                                  ("backward", scale, window, max_seqlen))
-    return dq, dk, dv
+    return fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, params, which)
 
 
 @fa4_varlen_backward.register_fake
@@ -1333,20 +1340,11 @@ def fa4_qkv_backward(grad_out: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, ou
                      which: int) -> Tensor:
     """The gradient of qkv, written in place by FlashAttention-4's backward (dv) and the norm + rotary backward."""
     heads = qkv.size(1) // 3
-    scale, window = attention_scalars(params, which)
     v = v_used if v_used.numel() else qkv[:, 2 * heads:]
     d_qkv = torch.empty_like(qkv)
     d_qk = torch.empty_like(qk)
-    q, k, dq, dk, dv = qk[:, :heads], qk[:, heads:], d_qk[:, :heads], d_qk[:, heads:], d_qkv[:, 2 * heads:]
-
-    def call():
-        fa4_interface()._flash_attn_bwd(
-            q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
-            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-            dq=dq, dk=dk, dv=dv)
-
-    FA4_LAUNCHES.run(call, (grad_out, q, k, v, out, lse, cu_seqlens, dq, dk, dv),
-                     ("backward into", scale, window, max_seqlen))
+    fa4_backward(grad_out, qk[:, :heads], qk[:, heads:], v, out, lse, cu_seqlens, max_seqlen, params, which,
+                 dq=d_qk[:, :heads], dk=d_qk[:, heads:], dv=d_qkv[:, 2 * heads:])
     qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv)
     return d_qkv
 
@@ -2249,42 +2247,43 @@ def quack_on_this_gpu():
 class QuackMLPPlans:
     def __init__(self):
         self.enabled = False
-        self.plans = {}  # (which GEMM, dtype, shape and strides of each input) -> quack EpiPlan
+        self.plans = {}  # (which GEMM, dtype, shape and strides of each input) -> (quack EpiPlan, needs semaphore)
 
     def _plan(self, key, make_mod, A, B, C, out, dynamic_scheduler):
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self.plans[key] = make_mod().plan(A, B, C, out=out, dynamic_scheduler=dynamic_scheduler,
-                                                     config=quack_mlp_config(A.device.type, A.device.index))
-        return plan
+        entry = self.plans.get(key)
+        if entry is None:
+            plan = make_mod().plan(A, B, C, out=out, dynamic_scheduler=dynamic_scheduler,
+                                   config=quack_mlp_config(A.device.type, A.device.index))
+            hopper = A.is_cuda and torch.cuda.get_device_capability(A.device)[0] == 9
+            entry = self.plans[key] = (plan, dynamic_scheduler and hopper)
+        return entry
 
     def gemm_act(self, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
         """(x w, relu(x w)²) for x (T, k) and w (k, n), as quack's gemm_act(x, w, activation="relu_sq")."""
-        config = quack_mlp_config(x.device.type, x.device.index)
         if not self.enabled:
-            return quack_gemm().gemm_act(x, w, activation="relu_sq", tuned=False, config=config)
+            return quack_gemm().gemm_act(x, w, activation="relu_sq", tuned=False,
+                                         config=quack_mlp_config(x.device.type, x.device.index))
         pre = x.new_empty((x.size(0), w.size(1)))
         h = torch.empty_like(pre)
         out = {"D": pre, "mAuxOut": h}
         key = ("act", x.dtype, x.shape, x.stride(), w.dtype, w.shape, w.stride())
-        plan = self._plan(key, _quack_relu2_forward_mod, x, w, None, out, dynamic_scheduler=False)
+        plan, _ = self._plan(key, _quack_relu2_forward_mod, x, w, None, out, dynamic_scheduler=False)
         plan.run(x, w, None, out=out)
         return pre, h
 
     def gemm_dact(self, grad: Tensor, w: Tensor, pre: Tensor) -> tuple[Tensor, Tensor]:
         """((grad w)·2relu(pre), relu(pre)²), as quack's gemm_dact(grad, w, pre, activation="relu_sq") with its
         default dynamic tile scheduler (which counts tiles in a zeroed semaphore on Hopper)."""
-        config = quack_mlp_config(grad.device.type, grad.device.index)
         if not self.enabled:
-            return quack_gemm().gemm_dact(grad, w, pre, activation="relu_sq", tuned=False, config=config)
+            return quack_gemm().gemm_dact(grad, w, pre, activation="relu_sq", tuned=False,
+                                          config=quack_mlp_config(grad.device.type, grad.device.index))
         dpre = grad.new_empty((grad.size(0), w.size(1)))
         h = torch.empty_like(pre)
         out = {"D": dpre, "mAuxOut": h}
         key = ("dact", grad.dtype, grad.shape, grad.stride(), w.dtype, w.shape, w.stride(), pre.dtype, pre.shape,
                pre.stride())
-        plan = self._plan(key, _quack_relu2_backward_mod, grad, w, pre, out, dynamic_scheduler=True)
-        hopper = grad.is_cuda and torch.cuda.get_device_capability(grad.device)[0] == 9
-        semaphore = torch.zeros(1, dtype=torch.int32, device=grad.device) if hopper else None
+        plan, needs_semaphore = self._plan(key, _quack_relu2_backward_mod, grad, w, pre, out, dynamic_scheduler=True)
+        semaphore = torch.zeros(1, dtype=torch.int32, device=grad.device) if needs_semaphore else None
         plan.run(grad, w, pre, out=out, tile_count_semaphore=semaphore)
         return dpre, h
 

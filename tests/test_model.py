@@ -817,14 +817,19 @@ def standin_compiled_fa4(contiguous_copy=False, host_read=False):
     return m
 
 
-@pytest.fixture
-def replayed_standin(monkeypatch):
-    module = standin_compiled_fa4()
-    replay = tg.KernelLaunchReplay(lambda: [module])
+def install_replay(monkeypatch, module, check=None) -> "tg.KernelLaunchReplay":
+    """An enabled replay over the stand-in module, in place of the trainer's FA4 interface and FA4_LAUNCHES."""
+    replay = tg.KernelLaunchReplay(lambda: [module], check)
     replay.enabled = True
     monkeypatch.setattr(tg, "fa4_interface", lambda: module)
     monkeypatch.setattr(tg, "FA4_LAUNCHES", replay)
-    return module, replay
+    return replay
+
+
+@pytest.fixture
+def replayed_standin(monkeypatch):
+    module = standin_compiled_fa4()
+    return module, install_replay(monkeypatch, module)
 
 
 def fa4_forward_backward(q, k, v, cu, params, which=1):
@@ -912,10 +917,7 @@ def test_fa4_launch_replay_leaves_calls_it_cannot_account_for_on_the_interface(m
     """An interface call that copies a tensor or reads one on the host is not replayable: its signature is
     marked with the reason and every call goes through the interface (with correct results)."""
     module = standin_compiled_fa4(**{flaw: True})
-    replay = tg.KernelLaunchReplay(lambda: [module])
-    replay.enabled = True
-    monkeypatch.setattr(tg, "fa4_interface", lambda: module)
-    monkeypatch.setattr(tg, "FA4_LAUNCHES", replay)
+    replay = install_replay(monkeypatch, module)
     torch.manual_seed(0)
     q, k, v = (torch.randn(64, 2, 8, dtype=torch.float64) for _ in range(3))
     cu = tg.pack_cu_seqlens([20, 31, 13], 64, 8)
@@ -947,10 +949,7 @@ def test_fa4_launch_replay_stays_on_the_interface_for_an_unchecked_release(monke
     and the reason is listed once (the check itself runs once)."""
     module = standin_compiled_fa4()
     checks = []
-    replay = tg.KernelLaunchReplay(lambda: [module], lambda: checks.append(1) or "flash-attn-4 9.9 is not checked")
-    replay.enabled = True
-    monkeypatch.setattr(tg, "fa4_interface", lambda: module)
-    monkeypatch.setattr(tg, "FA4_LAUNCHES", replay)
+    replay = install_replay(monkeypatch, module, lambda: checks.append(1) or "flash-attn-4 9.9 is not checked")
     torch.manual_seed(0)
     q, k, v = (torch.randn(64, 2, 8, dtype=torch.float64) for _ in range(3))
     cu = tg.pack_cu_seqlens([20, 31, 13], 64, 8)
