@@ -3568,6 +3568,9 @@ def run(args: Hyperparameters) -> None:
                         optimizers=[trainer.adam.state_dict(), trainer.muon.state_dict()]), path)
 
 
+RANK0_REPORT_GRACE_S = 3.0  # how long the other ranks wait for rank 0 to report a config error
+
+
 def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -3580,6 +3583,9 @@ def main(argv=None) -> int:
         if rank == 0 or not isinstance(e, ConfigError):
             prefix = "error" if rank == 0 else f"error (rank {rank})"
             print(f"{prefix}: {e}", file=sys.stderr, flush=True)
+        else:
+            # A silent rank that exits first makes torchrun stop rank 0, possibly before its line is out: wait.
+            time.sleep(RANK0_REPORT_GRACE_S)
         return 2
     finally:
         if dist.is_initialized():
