@@ -153,6 +153,12 @@ class Hyperparameters:
                                              "compiled kernels directly (same kernels, same arguments), skipping "
                                              "its Python interface's per-call planning")
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
+    trunk_graphs: int = setting(3, "compile the trunk (embeddings and blocks) as this many graphs over consecutive "
+                                   "blocks, 1 to 11; each is a job for --parallel-compile")
+    parallel_compile: str = setting("auto", "at start-up, helper processes compile the trunk's graphs and the head "
+                                            "side by side and this process loads them from Inductor's cache; auto: "
+                                            "on with one training process per node and no loaded --compile-cache",
+                                    ("auto", "on", "off"))
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
                                      "with this torch/triton/GPU, written after the warm-up when not; empty: off")
     log_dir: str = setting("logs", "folder for <run-id>.txt")
@@ -257,6 +263,10 @@ def validate_args(args: Hyperparameters):
          f"--model-dim ({args.model_dim}) must equal --num-heads x --head-dim ({args.num_heads}x{args.head_dim})")
     need(args.head_dim % 4 == 0, "--head-dim must be a multiple of 4 (half-truncated rotary)")
     need(args.num_layers == 12, "the layer map (skips, value embeddings, backout) is defined for --num-layers 12 only")
+    need(1 <= args.trunk_graphs <= args.num_layers - 1,
+         f"--trunk-graphs must be between 1 and {args.num_layers - 1} (one per block at most), got {args.trunk_graphs}")
+    need(args.parallel_compile in ("auto", "on", "off"),
+         f"--parallel-compile must be auto, on or off, got {args.parallel_compile!r}")
     need(len(args.train_bs_schedule) == len(args.ws_schedule) == len(args.lr_plateaus) == len(args.lr_plateau_starts),
          "--train-bs-schedule, --ws-schedule, --lr-plateaus and --lr-plateau-starts need one entry per stage")
     stages = len(args.train_bs_schedule)
@@ -2432,26 +2442,45 @@ class GPT(nn.Module):
         self.qkv_attn_fn = attention_fa4_qkv if fused_qk_norm_rope else None
         self.static_attention_params = attn_backend in ATTENTION_STATIC_PARAMS
         self.dynamic_seq_len = dynamic_seq_len
+        self.trunk_bounds = trunk_bounds(L, args.trunk_graphs)
         self._trunk = self._head = None  # compiled regions, set by compile_regions()
+        self.compiled_jobs = None  # None: every compiled region runs compiled; a set: only these jobs (the rest eager)
 
     def compile_regions(self, **options):
-        """torch.compile the trunk and the head as two regions (same options as one whole-model compile).
-        Two regions mean two backward graphs: the head's finishes first, so lm_head's gradient hook (DistAdam's
-        biggest reduce-scatter) fires while the trunk's backward is still computing instead of after it."""
-        self._trunk = torch.compile(self.trunk, **options)
+        """torch.compile the trunk's parts and the head (same options as one whole-model compile). The head's
+        backward graph finishes first, so lm_head's gradient hook (DistAdam's biggest reduce-scatter) fires while
+        the trunk's backward is still computing. The trunk's parts (one code object, one graph per layer range)
+        are separate compile jobs that helper processes can compile side by side (CompileWorkers)."""
+        self._trunk = torch.compile(self.trunk_part, **options)
         self._head = torch.compile(self.head, **options)
 
+    def compiled(self, job: str, compiled_fn, eager_fn):
+        """The compiled region of `job`, unless compilation is off or limited to other jobs (compile workers)."""
+        if compiled_fn is None or (self.compiled_jobs is not None and job not in self.compiled_jobs):
+            return eager_fn
+        return compiled_fn
+
     def forward(self, input_seq: Tensor, target_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
-                max_seqlen: int) -> Tensor:
-        trunk, head = self._trunk or self.trunk, self._head or self.head
+                max_seqlen: int, trunk_parts: int = None) -> Tensor:
+        """The loss (summed over tokens in training, the mean in eval). trunk_parts: run only that many parts of
+        the trunk and return their carry (the compile workers' validation pass)."""
         attn_params = self.attention_params(ws_short, ws_long)
         if self.dynamic_seq_len:  # one compiled graph for every micro-batch length (and cu_seqlens length)
             for t in (input_seq, target_seq, cu_seqlens):
                 torch._dynamo.mark_dynamic(t, 0)
-        x = trunk(input_seq, cu_seqlens, attn_params, max_seqlen)
+        carry = None
+        for k, (first, last) in enumerate(self.trunk_bounds[:trunk_parts]):
+            if self.dynamic_seq_len and carry is not None:
+                for t in pytree_tensors(carry):
+                    torch._dynamo.mark_dynamic(t, 0)
+            part = self.compiled(f"trunk{k}", self._trunk, self.trunk_part)
+            carry = part(first, last, input_seq, carry, cu_seqlens, attn_params, max_seqlen)
+        if trunk_parts is not None:
+            return carry
+        x = carry
         if self.dynamic_seq_len:
             torch._dynamo.mark_dynamic(x, 0)
-        return head(x, target_seq)
+        return self.compiled("head", self._head, self.head)(x, target_seq)
 
     def attention_params(self, ws_short: int, ws_long: int):
         """Softmax scale and (short, long) windows in tokens, rows [scale, window]: a fresh CPU tensor per call
@@ -2460,22 +2489,28 @@ class GPT(nn.Module):
         rows = ((scale, ws_short * bs), (scale, ws_long * bs))
         return rows if self.static_attention_params else torch.tensor(rows, dtype=torch.float64)
 
-    def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, attn_params, max_seqlen: int) -> Tensor:
-        """Embeddings and blocks: returns the normalised final hidden state (T, d)."""
+    def trunk_part(self, first: int, last: int, input_seq: Tensor, carry, cu_seqlens: Tensor, attn_params,
+                   max_seqlen: int):
+        """Blocks [first, last) of the trunk. The part starting at block 1 embeds the tokens (carry is None); the
+        part ending at the last block returns the normalised final hidden state (T, d); any other returns the
+        carry for the next part: (x, x0, skip, backout, value embeddings)."""
         L = len(self.blocks)
         skip_w = self.scalars[:L]           # one per layer; only the U-net skip into SKIP_TO's is used
         lambdas = self.scalars[L:3 * L].view(L, 2)
         sa_lambdas = self.scalars[3 * L:5 * L].view(L, 2)
         smear_lambda, backout_lambda = self.scalars[5 * L], self.scalars[5 * L + 1]
 
-        ve = [emb(input_seq) for emb in self.value_embeds]
-        x = self.embed(input_seq)
-        # Smear: mix a gated copy of the previous token's embedding into each position (1-token look-back).
-        gate = smear_lambda * torch.sigmoid(F.linear(x[1:, :12], self.smear_gate.weight))
-        x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
-        x = x0 = norm(x)
-        skip = backout = None
-        for i in range(1, L):
+        if carry is None:
+            ve = tuple(emb(input_seq) for emb in self.value_embeds)
+            x = self.embed(input_seq)
+            # Smear: mix a gated copy of the previous token's embedding into each position (1-token look-back).
+            gate = smear_lambda * torch.sigmoid(F.linear(x[1:, :12], self.smear_gate.weight))
+            x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
+            x = x0 = norm(x)
+            skip = backout = None
+        else:
+            x, x0, skip, backout, ve = carry
+        for i in range(first, last):
             block = self.blocks[i]
             if i == self.SKIP_TO:
                 x = x + torch.sigmoid(skip_w[self.SKIP_WEIGHT]) * skip
@@ -2491,10 +2526,27 @@ class GPT(nn.Module):
                 skip = x
             if i == self.BACKOUT_FROM:
                 backout = x
+        if last < L:
+            return x, x0, skip, backout, ve
         return norm(x - backout_lambda * backout)
 
     def head(self, x: Tensor, target_seq: Tensor) -> Tensor:
         return self.lm_head(x, target_seq)
+
+
+def trunk_bounds(num_layers: int, parts: int) -> list:
+    """Blocks 1 .. num_layers-1 (block 0 is empty) in `parts` consecutive ranges [first, last) of near-equal size,
+    the larger ones last: the first part also embeds the tokens, and its process has the most other work."""
+    blocks = num_layers - 1
+    edges = [1 + k * blocks // parts for k in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def pytree_tensors(tree) -> list:
+    """The tensors in nested tuples (None entries skipped)."""
+    if isinstance(tree, Tensor):
+        return [tree]
+    return [t for item in (tree or ()) for t in pytree_tensors(item)] if isinstance(tree, (tuple, list)) else []
 
 
 def next_multiple_of(x: int, n: int) -> int:
@@ -2944,6 +2996,41 @@ def optimizer_step(step: int, model: nn.Module, adam, muon):
         adam.should_sync = False
 
 
+def synthetic_micro_batch(num_tokens: int, max_seq_len: int, vocab_size: int, device: str, seed: int = 0) -> tuple:
+    """A micro-batch with the shapes and dtypes the loaders yield (inputs int32, targets int64, cu_seqlens int32
+    of max_num_docs_for(num_tokens) entries), documents of max_seq_len tokens: what compiling needs, no data."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (num_tokens + 1,), generator=g)
+    lengths = [min(max_seq_len, num_tokens - start) for start in range(0, num_tokens, max_seq_len)]
+    cu = pack_cu_seqlens(lengths, num_tokens, max_num_docs_for(num_tokens))
+    return to_device((tokens[:-1].to(torch.int32), tokens[1:].to(torch.int64), cu), device)
+
+
+def run_compile_passes(model: GPT, args: Hyperparameters, rt: "Runtime", job: str) -> None:
+    """Compile the graphs of one compile job (a trunk part or the head): a training micro-batch (forward and
+    backward) at the first warm-up step's shapes and a validation micro-batch at the first validation's, with only
+    `job`'s region compiled. Other regions run eagerly, and the validation pass stops after the job's trunk part,
+    so no eager lm_head sees a whole validation micro-batch. Leaves no gradients behind."""
+    first = stages(args)[0]
+    per_step = rt.grad_accum_steps * rt.world_size
+    model.compiled_jobs = {job}
+    try:
+        batch = synthetic_micro_batch(first.batch_size // per_step, args.train_max_seq_len, args.vocab_size,
+                                      rt.device, seed=1)
+        model(*batch, first.ws_short, first.ws_long, args.train_max_seq_len).backward()
+        model.zero_grad(set_to_none=True)
+        short, long = eval_windows(args)[0]
+        num_tokens = args.val_batch_size // per_step
+        inputs, targets, cu = synthetic_micro_batch(num_tokens, num_tokens, args.vocab_size, rt.device, seed=2)
+        parts = None if job == "head" else int(job.removeprefix("trunk")) + 1
+        model.eval()
+        with torch.no_grad():
+            model(inputs, targets, cu, short, long, num_tokens, trunk_parts=parts)
+    finally:
+        model.train()
+        model.compiled_jobs = None
+
+
 @dataclass(frozen=True)
 class RunResult:
     steps: int
@@ -2974,6 +3061,7 @@ class Trainer:
     train_files: list
     val_file: str
     log: Logger
+    workers: "CompileWorkers" = None  # helpers compiling the other compile jobs (start_compile_workers)
 
     def console(self, text: str):
         if self.log.master:
@@ -3028,6 +3116,8 @@ class Trainer:
         then restore the initial weights and optimizer states so the timed run starts from scratch."""
         a = self.args
         self.warm_up_times = []  # (label, seconds): where the cold start goes
+        if self.workers is not None:
+            self.compile_side_by_side()
         initial = copy.deepcopy(dict(model=self.model.state_dict(),
                                      opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
         table = stages(a)
@@ -3069,6 +3159,21 @@ class Trainer:
         for opt, state in zip((self.adam, self.muon), initial["opts"]):
             opt.load_state_dict(state)
         del batches
+
+    def compile_side_by_side(self):
+        """This process's compile job while the helpers compile the others; then wait for them, so that the
+        warm-up finds their graphs in the cache instead of compiling the same graphs again."""
+        job = compile_jobs(self.args)[0]
+        t = time.time()
+        run_compile_passes(self.model, self.args, self.rt, job)
+        self.warm_up_times.append((f"compile job {job} (helpers: {', '.join(self.workers.procs)})", time.time() - t))
+        t = time.time()
+        problems = self.workers.wait()
+        self.warm_up_times.append(("waiting for the compile workers", time.time() - t))
+        for line in problems:
+            self.log(line)
+        self.console(f"warm-up: compiled {job} here and {len(self.workers.procs) - len(problems)} of "
+                     f"{len(self.workers.procs)} jobs in helper processes: {sum(s for _, s in self.warm_up_times):.1f}s")
 
     def train(self) -> "RunResult":
         with no_compiles_allowed(self.args.fail_on_recompile):
@@ -3252,6 +3357,8 @@ class Runtime:
     fused_qk_norm_rope: bool = False  # fa4_qkv: q/k norm + rotary fused into the FlashAttention-4 op
     fa4_launch_replay: bool = False   # FA4_LAUNCHES: replay FlashAttention-4's recorded launches
     quack_plans: bool = False         # QUACK_PLANS: quack's MLP GEMMs through its prepared plans
+    trunk_graphs: int = 1             # compiled graphs the trunk is split into (GPT.trunk_bounds)
+    parallel_compile: bool = False    # compile workers compiled the jobs beyond this process's first one
 
     @property
     def master(self) -> bool:
@@ -3268,6 +3375,7 @@ class Runtime:
                 f'fused_ce_forward={int(fused_head and args.fused_ce_forward)} '
                 f'mlp_kernel={self.mlp_kernel} fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
                 f'fa4_launch_replay={int(self.fa4_launch_replay)} quack_plans={int(self.quack_plans)} '
+                f'trunk_graphs={self.trunk_graphs} parallel_compile={int(self.parallel_compile)} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
@@ -3295,11 +3403,16 @@ def pick_device(args: Hyperparameters) -> str:
     raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
 
 
-def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
-    """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read."""
+def compile_enabled(args: Hyperparameters, device: str) -> bool:
+    return args.compile == "on" or (args.compile == "auto" and device == "cuda")
+
+
+def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: bool = False) -> Runtime:
+    """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read.
+    parallel_compile: whether compile workers were started (decided earlier: see wants_parallel_compile)."""
     world_size = int(env.get("WORLD_SIZE", 1))
     device = pick_device(args)
-    use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
+    use_compile = compile_enabled(args, device)
     if args.fp8 == "on" and device != "cuda":
         raise ConfigError("--fp8 on needs a CUDA GPU (FP8 matmuls); use --fp8 auto or off on the CPU")
     backend = resolve_attention_backend(args.attn_backend, device)
@@ -3314,7 +3427,8 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
                    mlp_kernel=mlp_kernel,
                    fused_qk_norm_rope=args.fused_qk_norm_rope and backend == "fa4" and triton is not None,
                    fa4_launch_replay=args.fa4_launch_replay and backend == "fa4",
-                   quack_plans=args.quack_plans and mlp_kernel == "quack")
+                   quack_plans=args.quack_plans and mlp_kernel == "quack",
+                   trunk_graphs=args.trunk_graphs, parallel_compile=parallel_compile)
     startup_mark("kernel libraries")  # resolving the backends imports FlashAttention-4's and quack's CuTe DSL
     return rt
 
@@ -3365,8 +3479,11 @@ def setup_process_group(rt: Runtime):
         dist.barrier()
 
 
-def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
-    """The model (rank 0's initialisation on every rank, compiled per region) and its two optimizers."""
+RECOMPILE_LIMIT = 64  # graphs per code object: the trunk's parts share one, each with a train and an eval graph
+
+
+def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
+    """The model on this process's device, compiled per region (the compile workers build it the same way)."""
     micro_batches = rt.grad_accum_steps * rt.world_size  # per step, over all ranks
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
@@ -3374,11 +3491,18 @@ def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
                 fused_qk_norm_rope=rt.fused_qk_norm_rope).to(rt.device)
     FA4_LAUNCHES.enabled = rt.fa4_launch_replay  # the ops' host paths (module state: the ops are global)
     QUACK_PLANS.enabled = rt.quack_plans
+    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    if rt.compile:
+        model.compile_regions(dynamic=False, fullgraph=True)
+    return model
+
+
+def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
+    """The model (rank 0's initialisation on every rank, compiled per region) and its two optimizers."""
+    model = build_model(args, rt)
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)
-    if rt.compile:
-        model.compile_regions(dynamic=False, fullgraph=True)
     adam, muon = build_optimizers(model, args)
     if rt.compile:
         muon.compile_helpers()
@@ -3386,13 +3510,12 @@ def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
     return model, adam, muon
 
 
-def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Trainer":
+def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path, workers: "CompileWorkers" = None) -> "Trainer":
     """Everything a run needs, in one place (run() and bench/bench.py both call this): data checked first, then
-    the process group, the log with its header, the model and optimizers."""
+    the process group, the log with its header, the model and optimizers. workers: start_compile_workers'."""
     train_files, val_file = find_data(args, rt)
     setup_process_group(rt)
     startup_mark("CUDA and process group")
-    torch._dynamo.config.recompile_limit = 64
     log = Logger(log_path, rt.master)
     if rt.master:
         print(log.path, flush=True)
@@ -3410,7 +3533,7 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Traine
         torch.manual_seed(args.seed)
     model, adam, muon = build_model_and_optimizers(args, rt)
     startup_mark("model and optimizers")
-    return Trainer(args, rt, model, adam, muon, train_files, val_file, log)
+    return Trainer(args, rt, model, adam, muon, train_files, val_file, log, workers)
 
 
 # A bundle of everything compiled for this script, to skip compilation on a fresh machine: PyTorch's portable cache
@@ -3532,19 +3655,143 @@ def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
     return result
 
 
+# Compile workers. With empty caches most of the cold start is Inductor compiling the trunk on one CPU core, graph
+# after graph. The trunk's --trunk-graphs parts and the head are independent compile jobs: helper processes (one
+# per job but the first, on this process's GPU, started before the kernel libraries load) each compile one while
+# this process compiles the first; the warm-up then finds their graphs in Inductor's on-disk cache, because the
+# same code given inputs of the same shapes, dtypes and strides yields the same cache keys. Those keys name the
+# GPU, so every training process needs helpers of its own: auto starts them only with one process per node.
+COMPILE_JOB_VAR = "SPEEDRUN_COMPILE_JOB"    # set in a helper: the job it compiles
+COMPILE_ARGS_VAR = "SPEEDRUN_COMPILE_ARGS"  # the trainer's settings, as JSON
+COMPILE_WORKER_TIMEOUT_S = 900
+
+
+def compile_jobs(args: Hyperparameters) -> list:
+    """What can compile side by side: the trunk's parts, then the head. The first is the trainer's own."""
+    return [f"trunk{k}" for k in range(args.trunk_graphs)] + ["head"]
+
+
+def wants_parallel_compile(args: Hyperparameters, device: str, cache_loaded: bool, env=os.environ) -> bool:
+    """Helpers only pay where there is something to compile: not with a loaded bundle, not without compiling."""
+    if args.parallel_compile == "off" or cache_loaded or not compile_enabled(args, device):
+        return False
+    return args.parallel_compile == "on" or int(env.get("LOCAL_WORLD_SIZE", 1)) == 1
+
+
+def hyperparameters_to_json(args: Hyperparameters) -> str:
+    import json
+    return json.dumps(dataclasses.asdict(args))
+
+
+def hyperparameters_from_json(text: str) -> Hyperparameters:
+    import json
+    defaults = {f.name: f.default for f in dataclasses.fields(Hyperparameters)}
+    return Hyperparameters(**{k: tuple(v) if isinstance(defaults[k], tuple) else v for k, v in json.loads(text).items()})
+
+
+def _end_with_parent():
+    """Run in a helper before it starts: Linux ends it when the trainer dies (no one would read its graphs)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+    except (OSError, AttributeError):
+        pass
+
+
+class CompileWorkers:
+    """Helper processes, one per compile job; each runs run_compile_passes for its job and exits."""
+
+    def __init__(self, procs: dict, log_dir: Path):
+        self.procs, self.log_dir, self.started = procs, log_dir, time.time()  # procs: job -> (Popen, log path)
+
+    @classmethod
+    def start(cls, args: Hyperparameters, jobs: list, env=os.environ, command=None) -> "CompileWorkers":
+        # A helper is no rank of the job: without RANK it joins no process group, and torchrun's variables (its
+        # error file among them) stay with the trainer. WORLD_SIZE and LOCAL_RANK stay: shapes and the GPU.
+        child_env = {k: v for k, v in env.items() if k != "RANK" and not k.startswith("TORCHELASTIC_")}
+        child_env[COMPILE_ARGS_VAR] = hyperparameters_to_json(args)
+        log_dir = Path(tempfile.mkdtemp(prefix="speedrun_compile_workers_"))
+        procs = {}
+        for job in jobs:
+            log = log_dir / f"{job}.txt"
+            with open(log, "w") as out:
+                procs[job] = (subprocess.Popen(command or [sys.executable, __file__], env={**child_env, COMPILE_JOB_VAR: job},
+                                               stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                               preexec_fn=_end_with_parent), log)
+        return cls(procs, log_dir)
+
+    def wait(self, timeout_s: float = COMPILE_WORKER_TIMEOUT_S) -> list:
+        """Block until every helper has exited; one line for each that failed (the warm-up compiles its job)."""
+        problems = []
+        for job, (proc, log) in self.procs.items():
+            try:
+                code = proc.wait(timeout=max(self.started + timeout_s - time.time(), 0.0))
+                why = f"exit {code}"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                code, why = None, f"still running after {timeout_s:.0f}s"
+            if code != 0:
+                lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+                last = f": {lines[-1].strip()[:200]}" if lines else ""
+                problems.append(f"compile worker for {job} failed ({why}{last}; log {log}); the warm-up compiles "
+                                f"it here")
+        if not problems:
+            import shutil
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+        return problems
+
+    def stop(self) -> None:
+        for proc, _ in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def start_compile_workers(args: Hyperparameters, cache_loaded: bool, env=os.environ):
+    """CompileWorkers for every job but the first, or None; run() and bench/bench.py both call this right after
+    open_compile_cache, before the kernel libraries load, so the helpers' start-up overlaps the trainer's."""
+    if not wants_parallel_compile(args, pick_device(args), cache_loaded, env):
+        return None
+    workers = CompileWorkers.start(args, compile_jobs(args)[1:], env)
+    startup_mark("compile workers started")
+    return workers
+
+
+def compile_worker_main(job: str, env=os.environ) -> int:
+    """A helper's whole life: build the model as the trainer does, compile one job's graphs, exit."""
+    args = hyperparameters_from_json(env[COMPILE_ARGS_VAR])
+    default_kernel_cache_dirs(env)
+    rt = resolve_runtime(args, env)
+    if rt.device == "cuda":
+        torch.cuda.set_device(rt.local_rank)
+    model = build_model(args, rt)
+    run_compile_passes(model, args, rt, job)
+    return 0
+
+
 def run(args: Hyperparameters) -> None:
-    checking = args.check or args.check_flags
-    cache_path, cache_loaded, cache_line = open_compile_cache(args) if not checking else (None, False, "")
-    rt = resolve_runtime(args)
-    if checking:
+    if args.check or args.check_flags:
+        rt = resolve_runtime(args)
         if args.check:
             find_data(args, rt)
         print(f"check: ok: {rt.world_size} process(es) on {rt.device}, attention {rt.attn_backend}, "
               f"{rt.grad_accum_steps} micro-batch(es) per step, "
               f"data {args.data_path if args.check else 'not checked'}", flush=True)
         return
+    cache_path, cache_loaded, cache_line = open_compile_cache(args)
+    workers = start_compile_workers(args, cache_loaded)
+    try:
+        train_run(args, cache_path, cache_loaded, cache_line, workers)
+    finally:
+        if workers is not None:
+            workers.stop()
+
+
+def train_run(args: Hyperparameters, cache_path, cache_loaded: bool, cache_line: str, workers) -> None:
+    rt = resolve_runtime(args, parallel_compile=workers is not None)
     run_id = args.run_id or str(uuid.uuid4())
-    trainer = build_trainer(args, rt, Path(args.log_dir) / f"{run_id}.txt")
+    trainer = build_trainer(args, rt, Path(args.log_dir) / f"{run_id}.txt", workers)
     log = trainer.log
     if cache_line:
         log(cache_line)
@@ -3572,6 +3819,8 @@ RANK0_REPORT_GRACE_S = 3.0  # how long the other ranks wait for rank 0 to report
 
 
 def main(argv=None) -> int:
+    if os.environ.get(COMPILE_JOB_VAR):
+        return compile_worker_main(os.environ[COMPILE_JOB_VAR])
     rank = int(os.environ.get("RANK", 0))
     try:
         args = parse_args(argv)

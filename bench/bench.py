@@ -373,10 +373,16 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cache_path, cache_loaded, cache_line = tg.open_compile_cache(args)  # -- --compile-cache FILE, as the trainer
-    trainer = tg.build_trainer(args, tg.resolve_runtime(args), out.parent / "bench_log.txt")
-    t = time.time()
-    trainer.warm_up_kernels()
-    warm_up_s = time.time() - t
+    workers = tg.start_compile_workers(args, cache_loaded)  # as the trainer: helpers compile the other jobs
+    try:
+        trainer = tg.build_trainer(args, tg.resolve_runtime(args, parallel_compile=workers is not None),
+                                   out.parent / "bench_log.txt", workers)
+        t = time.time()
+        trainer.warm_up_kernels()
+        warm_up_s = time.time() - t
+    finally:
+        if workers is not None:
+            workers.stop()
     this_process_s = time.time() - tg.PROCESS_START - data_s
     if cache_path and not cache_loaded:  # written after the clock stops: a later start pays for it, not this one
         cache_line = (cache_line + "; " if cache_line else "") + tg.save_compile_cache(cache_path)
