@@ -47,7 +47,8 @@ class StackSampler:
             stack = []
             while frame is not None:
                 code = frame.f_code
-                stack.append(f"{Path(code.co_filename).name}:{code.co_name}")
+                path = Path(code.co_filename)  # folder/file: "torch/__init__.py" names a package, not any __init__
+                stack.append(f"{path.parent.name}/{path.name}:{code.co_name}")
                 frame = frame.f_back
             self.samples.append((time.time(), now - last, tuple(reversed(stack))))
             last = now
