@@ -83,6 +83,23 @@ setup_gpu() {
     elif ! "$PY" -m pip install -q --disable-pip-version-check -r requirements-gpu.txt; then
         echo "run.sh: requirements-gpu.txt did not install (see above); carrying on without FlashAttention-4 and quack-kernels (attention uses PyTorch's FA2 kernels, the MLP Inductor's)"
     fi
+    compile_bytecode
+}
+
+compile_bytecode() {
+    # pip writes Python bytecode when it installs, but some images ship torch without it (and with
+    # PYTHONDONTWRITEBYTECODE set, nothing writes it later): then every start of the trainer, and of each of its
+    # compile workers, compiles thousands of source files again (seconds each time). Once, here.
+    local dirs
+    dirs=$("$PY" -c 'import importlib.util as u, os  # package_dirs_for_bytecode
+for name in ("torch", "triton", "sympy", "numpy", "flash_attn", "quack", "cutlass"):
+    spec = u.find_spec(name)
+    if spec and spec.submodule_search_locations:
+        print(os.path.realpath(list(spec.submodule_search_locations)[0]))' 2>/dev/null) || return 0
+    [ -n "$dirs" ] || return 0
+    echo "run.sh: compiling the Python bytecode of the packages the trainer imports"
+    # shellcheck disable=SC2086
+    "$PY" -m compileall -q -j 0 $dirs >/dev/null 2>&1 || echo "run.sh: bytecode compilation incomplete (not needed to train)"
 }
 
 # --data-path DIR other than the default means the data is already there (e.g. proxy shards): no FineWeb download.

@@ -43,6 +43,7 @@ import glob
 import math
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -3007,16 +3008,27 @@ def synthetic_micro_batch(num_tokens: int, max_seq_len: int, vocab_size: int, de
 
 
 def run_compile_passes(model: GPT, args: Hyperparameters, rt: "Runtime", job: str) -> None:
-    """Compile the graphs of one compile job (a trunk part or the head): a training micro-batch (forward and
-    backward) at the first warm-up step's shapes and a validation micro-batch at the first validation's, with only
-    `job`'s region compiled. Other regions run eagerly, and the validation pass stops after the job's trunk part,
-    so no eager lm_head sees a whole validation micro-batch. Leaves no gradients behind."""
+    """Compile the graphs of one compile job (compile_jobs): for a trunk part or the head, a training micro-batch
+    (forward and backward) at the first warm-up step's shapes and a validation micro-batch at the first
+    validation's, with only `job`'s region compiled. Other regions run eagerly, and the validation pass stops
+    after the job's trunk part, so no eager lm_head sees a whole validation micro-batch. For "optimizers", the
+    first two warm-up steps' optimizer steps (NorMuon alone, then both) on a fresh pair of optimizers, after an
+    eager forward and backward each. Leaves no gradients behind."""
     first = stages(args)[0]
     per_step = rt.grad_accum_steps * rt.world_size
     model.compiled_jobs = {job}
     try:
         batch = synthetic_micro_batch(first.batch_size // per_step, args.train_max_seq_len, args.vocab_size,
                                       rt.device, seed=1)
+        if job == "optimizers":
+            adam, muon = build_optimizers(model, args)
+            if rt.compile:
+                muon.compile_helpers()
+                adam.compile_helpers()
+            for step in (0, 1):
+                model(*batch, first.ws_short, first.ws_long, args.train_max_seq_len).backward()
+                optimizer_step(step, model, adam, muon)
+            return
         model(*batch, first.ws_short, first.ws_long, args.train_max_seq_len).backward()
         model.zero_grad(set_to_none=True)
         short, long = eval_windows(args)[0]
@@ -3163,7 +3175,7 @@ class Trainer:
     def compile_side_by_side(self):
         """This process's compile job while the helpers compile the others; then wait for them, so that the
         warm-up finds their graphs in the cache instead of compiling the same graphs again."""
-        job = compile_jobs(self.args)[0]
+        job = compile_jobs(self.args, self.rt.world_size)[0]
         t = time.time()
         run_compile_passes(self.model, self.args, self.rt, job)
         self.warm_up_times.append((f"compile job {job} (helpers: {', '.join(self.workers.procs)})", time.time() - t))
@@ -3576,9 +3588,13 @@ def relocated_triton_group(data: bytes, folder: Path) -> bytes:
 
 def kernel_cache_files(var: str, folder: Path) -> list:
     files = sorted(p for p in folder.rglob("*") if p.is_file())
-    if var == "TRITON_CACHE_DIR":  # one sub-folder per compiled kernel, named in its __grp__<kernel>.json
+    if var == "TRITON_CACHE_DIR":
+        # One sub-folder per compiled kernel, named in its __grp__<kernel>.json: ours travel. So do the C modules
+        # Triton builds with the host compiler on first use (its CUDA driver helpers, a launcher per kernel
+        # signature): about a second of gcc on a fresh machine, and the bundle's key pins Python and Triton.
         groups = {f"__grp__{name}.json" for name in own_triton_kernels()}
-        ours = {p.parent for p in files if p.name in groups}
+        c_module = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        ours = {p.parent for p in files if p.name in groups or p.name.endswith(c_module)}
         files = [p for p in files if p.parent in ours]
     return files
 
@@ -3666,9 +3682,11 @@ COMPILE_ARGS_VAR = "SPEEDRUN_COMPILE_ARGS"  # the trainer's settings, as JSON
 COMPILE_WORKER_TIMEOUT_S = 900
 
 
-def compile_jobs(args: Hyperparameters) -> list:
-    """What can compile side by side: the trunk's parts, then the head. The first is the trainer's own."""
-    return [f"trunk{k}" for k in range(args.trunk_graphs)] + ["head"]
+def compile_jobs(args: Hyperparameters, world_size: int) -> list:
+    """What can compile side by side: the trunk's parts, the head and, on one GPU, the optimizers' helpers (with
+    several, their shapes depend on the ranks' shards, which a helper without the process group cannot see). The
+    first job is the trainer's own."""
+    return [f"trunk{k}" for k in range(args.trunk_graphs)] + ["head"] + (["optimizers"] if world_size == 1 else [])
 
 
 def wants_parallel_compile(args: Hyperparameters, device: str, cache_loaded: bool, env=os.environ) -> bool:
@@ -3753,7 +3771,7 @@ def start_compile_workers(args: Hyperparameters, cache_loaded: bool, env=os.envi
     open_compile_cache, before the kernel libraries load, so the helpers' start-up overlaps the trainer's."""
     if not wants_parallel_compile(args, pick_device(args), cache_loaded, env):
         return None
-    workers = CompileWorkers.start(args, compile_jobs(args)[1:], env)
+    workers = CompileWorkers.start(args, compile_jobs(args, int(env.get("WORLD_SIZE", 1)))[1:], env)
     startup_mark("compile workers started")
     return workers
 

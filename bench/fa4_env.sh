@@ -22,6 +22,9 @@ install)
         fi
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$fa4_site" .carry/fa4b/*.whl
         cat /tmp/fa4_stash/cu13.tar.xz.part1 .carry/fa4b/cu13.tar.xz.part2 | xz -d | tar -C "$fa4_site" -xf -
+        # Bytecode, as a plain pip install writes it (and as ./run.sh setup-gpu makes sure of): without it every
+        # process compiles the CuTe DSL's and the libraries' sources again at import.
+        python3 -m compileall -q -j 0 "$fa4_site" > /dev/null 2>&1
     fi
     export PYTHONPATH="$fa4_site:$fa4_site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_kernel_cache

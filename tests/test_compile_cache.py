@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -48,8 +49,8 @@ def fake_triton_entry(folder: Path, key: str, kernel: str) -> None:
 
 @pytest.mark.slow
 def test_bundle_from_one_machine_skips_compilation_on_a_fresh_one(tmp_path):
-    """Inductor's graphs and the kernel-cache folders (FlashAttention-4's, quack's, and of Triton's only this
-    script's own kernels) travel in the bundle."""
+    """Inductor's graphs and the kernel-cache folders (FlashAttention-4's, quack's, and of Triton's this script's own
+    kernels and Triton's compiled C modules) travel in the bundle."""
     bundle = tmp_path / "bundle.zip"
     kernels, quack, triton_a = tmp_path / "fa4_a", tmp_path / "quack_a", tmp_path / "triton_a"
     (kernels / "sub").mkdir(parents=True)
@@ -58,8 +59,11 @@ def test_bundle_from_one_machine_skips_compilation_on_a_fresh_one(tmp_path):
     (quack / "gemm_act.o").write_bytes(b"quack kernel")
     fake_triton_entry(triton_a, "KEY1", "_softcap_ce_backward_kernel")  # ours: travels
     fake_triton_entry(triton_a, "KEY2", "triton_poi_fused_add_0")  # Inductor's: already in the artifacts
+    launcher = f"__triton_launcher{sysconfig.get_config_var('EXT_SUFFIX')}"
+    (triton_a / "KEY3").mkdir()
+    (triton_a / "KEY3" / launcher).write_bytes(b"compiled C module")  # Triton's gcc-built launcher: travels
     first = run_process("save", bundle, tmp_path / "inductor_a", kernels, quack, triton_a)
-    assert first["misses"] >= 1 and "wrote" in first["saved"] and "4 kernel-cache files" in first["saved"]
+    assert first["misses"] >= 1 and "wrote" in first["saved"] and "5 kernel-cache files" in first["saved"]
     # a fresh machine: empty Inductor cache, empty kernel-cache folders
     second = run_process("load", bundle, tmp_path / "inductor_b", tmp_path / "fa4_b", tmp_path / "quack_b",
                          tmp_path / "triton_b")
@@ -69,7 +73,8 @@ def test_bundle_from_one_machine_skips_compilation_on_a_fresh_one(tmp_path):
     assert (tmp_path / "quack_b" / "gemm_act.o").read_bytes() == b"quack kernel"
     restored = sorted(p.relative_to(tmp_path / "triton_b").as_posix() for p in (tmp_path / "triton_b").rglob("*")
                       if p.is_file())
-    assert restored == ["KEY1/__grp___softcap_ce_backward_kernel.json", "KEY1/_softcap_ce_backward_kernel.cubin"]
+    assert restored == ["KEY1/__grp___softcap_ce_backward_kernel.json", "KEY1/_softcap_ce_backward_kernel.cubin",
+                        f"KEY3/{launcher}"]
     # Triton finds an entry through the absolute paths in its group file: they must point into the new folder
     group = json.loads((tmp_path / "triton_b" / restored[0]).read_text())
     assert group["child_paths"] == {"_softcap_ce_backward_kernel.cubin": str(tmp_path / "triton_b" / restored[1])}

@@ -30,6 +30,7 @@ STUB = r"""#!/usr/bin/env bash
 } >> "$STUB_LOG"
 if [ "${1:-}" = -c ]; then
     case "$2" in
+        *package_dirs_for_bytecode*) echo "${STUB_BYTECODE_DIRS-/stub/site/torch}" ;;
         *find_spec*) echo "${STUB_MISSING:-}" ;;
         *torch.version.cuda*) echo "${STUB_CUDA-13.0}" ;;
         *sys.prefix*) echo /stub/prefix ;;
@@ -110,6 +111,7 @@ def pip_install(*what):
 
 REQS = pip_install("-q", "--disable-pip-version-check", "-r", "requirements.txt")
 GPU_REQS = pip_install("-q", "--disable-pip-version-check", "-r", "requirements-gpu.txt")
+BYTECODE = ["-m", "compileall", "-q", "-j", "0", "/stub/site/torch"]
 DOWNLOAD = ["data/cached_fineweb10B.py", "9"]
 
 
@@ -190,7 +192,7 @@ def test_default_form_installs_downloads_then_launches(box, visible, used):
     r = box.gpus(visible).run("--seed", "7", "--orthogonalizer", "turbo")
     assert r.returncode == 0, r.stdout + r.stderr
     flags = ("--seed", "7", "--orthogonalizer", "turbo")
-    assert box.commands() == [REQS, GPU_REQS, check_flags(*flags), DOWNLOAD, check(*flags), torchrun(used, *flags)]
+    assert box.commands() == [REQS, GPU_REQS, BYTECODE, check_flags(*flags), DOWNLOAD, check(*flags), torchrun(used, *flags)]
     assert box.calls()[-2]["env"].get("WORLD_SIZE") == str(used)
     assert [c["env"].get("WORLD_SIZE") for c in box.calls() if c["argv"][:2] == check_flags()] == [str(used)]
     launch = box.calls()[-1]
@@ -209,7 +211,7 @@ def test_bad_trainer_flags_stop_at_the_one_process_check_before_torchrun(box):
 def test_bad_trainer_flags_stop_before_the_fineweb_download(box):
     r = box.gpus(8).run("--orthogonalizer", "newton", STUB_CHECK_RC="2")
     assert r.returncode == 2
-    assert box.commands() == [REQS, GPU_REQS, check_flags("--orthogonalizer", "newton")]
+    assert box.commands() == [REQS, GPU_REQS, BYTECODE, check_flags("--orthogonalizer", "newton")]
     assert [ln for ln in r.stderr.splitlines() if ln.strip()] == ["error: --orthogonalizer: invalid choice (see --help)"]
 
 
@@ -235,7 +237,7 @@ def test_nccl_settings_from_the_environment_are_kept(box):
 def test_custom_data_path_skips_the_fineweb_download(box, args):
     r = box.gpus(1).run(*args)
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [REQS, GPU_REQS, check(*args), torchrun(1, *args)]
+    assert box.commands() == [REQS, GPU_REQS, BYTECODE, check(*args), torchrun(1, *args)]
     assert "not downloading" in r.stdout
 
 
@@ -248,7 +250,7 @@ def test_default_data_path_still_downloads(box, args):
 def test_gpu_extras_that_fail_to_install_are_skipped_with_one_line(box):
     r = box.gpus(8).run(STUB_GPU_PIP_RC="1")
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [REQS, GPU_REQS, check_flags(), DOWNLOAD, check(), torchrun(8)]
+    assert box.commands() == [REQS, GPU_REQS, BYTECODE, check_flags(), DOWNLOAD, check(), torchrun(8)]
     lines = [line for line in r.stdout.splitlines() if "requirements-gpu.txt" in line]
     assert len(lines) == 1 and "carrying on" in lines[0]
 
@@ -256,8 +258,18 @@ def test_gpu_extras_that_fail_to_install_are_skipped_with_one_line(box):
 def test_gpu_extras_need_cuda_13_torch(box):
     r = box.gpus(8).run(STUB_CUDA="12.8")
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [REQS, check_flags(), DOWNLOAD, check(), torchrun(8)]
+    assert box.commands() == [REQS, BYTECODE, check_flags(), DOWNLOAD, check(), torchrun(8)]
     assert "skipping requirements-gpu.txt" in r.stdout and "CUDA 12.8" in r.stdout
+
+
+def test_setup_gpu_compiles_bytecode_only_of_packages_it_finds(box, tmp_path):
+    """Bytecode for torch and the kernel libraries once at setup (an image may ship none); nothing found, no step."""
+    assert box.gpus(1).run("setup-gpu", STUB_BYTECODE_DIRS="/site/torch\n/site/quack").returncode == 0
+    assert box.commands()[-1] == ["-m", "compileall", "-q", "-j", "0", "/site/torch", "/site/quack"]
+    (tmp_path / "again").mkdir()
+    nothing = Sandbox(tmp_path / "again")
+    assert nothing.gpus(1).run("setup-gpu", STUB_BYTECODE_DIRS="").returncode == 0
+    assert nothing.commands() == [REQS, GPU_REQS]
 
 
 def test_cpu_only_torch_on_a_gpu_machine_is_an_error_before_downloading(box):
@@ -270,7 +282,7 @@ def test_cpu_only_torch_on_a_gpu_machine_is_an_error_before_downloading(box):
 def test_setup_gpu_installs_without_downloading_or_training(box):
     r = box.gpus(2).run("setup-gpu")
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [REQS, GPU_REQS]
+    assert box.commands() == [REQS, GPU_REQS, BYTECODE]
 
 
 # ---- CPU setup, tests, proxy data, records ---------------------------------------------------------------------
