@@ -154,12 +154,14 @@ class Hyperparameters:
                                              "compiled kernels directly (same kernels, same arguments), skipping "
                                              "its Python interface's per-call planning")
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
-    trunk_graphs: int = setting(3, "compile the trunk (embeddings and blocks) as this many graphs over consecutive "
-                                   "blocks, 1 to 11; each is a job for --parallel-compile")
-    parallel_compile: str = setting("auto", "at start-up, helper processes compile the trunk's graphs and the head "
-                                            "side by side and this process loads them from Inductor's cache; auto: "
-                                            "on with one training process per node and no loaded --compile-cache",
+    parallel_compile: str = setting("auto", "at start-up, helper processes compile the trunk's graphs, the head and "
+                                            "(one GPU) the optimizers' helpers side by side; the warm-up loads them "
+                                            "from Inductor's cache; auto: on with one training process per node; "
+                                            "skipped when the caches already hold this script's graphs",
                                     ("auto", "on", "off"))
+    trunk_graphs: int = setting(0, "compile the trunk (embeddings and blocks) as this many graphs over consecutive "
+                                   "blocks, 1 to 11, each a compile job of its own; 0: 3 with --parallel-compile, "
+                                   "else 1 (one graph fuses across blocks: about 1 % faster at stages 2-3)")
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
                                      "with this torch/triton/GPU, written after the warm-up when not; empty: off")
     log_dir: str = setting("logs", "folder for <run-id>.txt")
@@ -264,8 +266,9 @@ def validate_args(args: Hyperparameters):
          f"--model-dim ({args.model_dim}) must equal --num-heads x --head-dim ({args.num_heads}x{args.head_dim})")
     need(args.head_dim % 4 == 0, "--head-dim must be a multiple of 4 (half-truncated rotary)")
     need(args.num_layers == 12, "the layer map (skips, value embeddings, backout) is defined for --num-layers 12 only")
-    need(1 <= args.trunk_graphs <= args.num_layers - 1,
-         f"--trunk-graphs must be between 1 and {args.num_layers - 1} (one per block at most), got {args.trunk_graphs}")
+    need(0 <= args.trunk_graphs <= args.num_layers - 1,
+         f"--trunk-graphs must be between 1 and {args.num_layers - 1} (one per block at most), or 0 for auto, got "
+         f"{args.trunk_graphs}")
     need(args.parallel_compile in ("auto", "on", "off"),
          f"--parallel-compile must be auto, on or off, got {args.parallel_compile!r}")
     need(len(args.train_bs_schedule) == len(args.ws_schedule) == len(args.lr_plateaus) == len(args.lr_plateau_starts),
@@ -2404,11 +2407,12 @@ class GPT(nn.Module):
 
     def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1, attn_backend: str = "reference",
                  fp8: bool = False, dynamic_seq_len: bool = False, mlp_kernel: str = "inductor",
-                 fused_qk_norm_rope: bool = False):
+                 fused_qk_norm_rope: bool = False, trunk_graphs: int = 1):
         """max_seq_len: longest packed micro-batch (rotary tables); world_size: pads the scalars for DistAdam;
         attn_backend: a key of ATTENTION_BACKENDS; fp8: FP8 lm_head in training; dynamic_seq_len: mark the token
         dimension dynamic so one compiled graph serves every batch size; mlp_kernel: one of MLP_KERNELS;
-        fused_qk_norm_rope: attention through fa4_qkv (needs attn_backend fa4)."""
+        fused_qk_norm_rope: attention through fa4_qkv (needs attn_backend fa4); trunk_graphs: compiled graphs the
+        trunk is split into (GPT.trunk_part)."""
         super().__init__()
         d, L = args.model_dim, args.num_layers
         self.vocab_size = next_multiple_of(args.vocab_size, 128)
@@ -2443,7 +2447,7 @@ class GPT(nn.Module):
         self.qkv_attn_fn = attention_fa4_qkv if fused_qk_norm_rope else None
         self.static_attention_params = attn_backend in ATTENTION_STATIC_PARAMS
         self.dynamic_seq_len = dynamic_seq_len
-        self.trunk_bounds = trunk_bounds(L, args.trunk_graphs)
+        self.trunk_bounds = trunk_bounds(L, trunk_graphs)
         self._trunk = self._head = None  # compiled regions, set by compile_regions()
         self.compiled_jobs = None  # None: every compiled region runs compiled; a set: only these jobs (the rest eager)
 
@@ -2538,8 +2542,10 @@ class GPT(nn.Module):
 def trunk_bounds(num_layers: int, parts: int) -> list:
     """Blocks 1 .. num_layers-1 (block 0 is empty) in `parts` consecutive ranges [first, last) of near-equal size,
     the larger ones last: the first part also embeds the tokens, and its process has the most other work."""
-    blocks = num_layers - 1
-    edges = [1 + k * blocks // parts for k in range(parts + 1)]
+    base, extra = divmod(num_layers - 1, parts)
+    edges = [1]
+    for k in range(parts):
+        edges.append(edges[-1] + base + (k >= parts - extra))
     return list(zip(edges[:-1], edges[1:]))
 
 
@@ -3171,14 +3177,25 @@ class Trainer:
         for opt, state in zip((self.adam, self.muon), initial["opts"]):
             opt.load_state_dict(state)
         del batches
+        if self.rt.compile and self.rt.local_rank == 0:  # the next run of this script here needs no helpers
+            marker = compiled_marker(self.args, self.rt.world_size)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
 
     def compile_side_by_side(self):
         """This process's compile job while the helpers compile the others; then wait for them, so that the
         warm-up finds their graphs in the cache instead of compiling the same graphs again."""
-        job = compile_jobs(self.args, self.rt.world_size)[0]
+        job = compile_jobs(self.rt.trunk_graphs, self.rt.world_size)[0]
+        misses = compile_cache_misses()
         t = time.time()
         run_compile_passes(self.model, self.args, self.rt, job)
         self.warm_up_times.append((f"compile job {job} (helpers: {', '.join(self.workers.procs)})", time.time() - t))
+        if compile_cache_misses() == misses:
+            # Everything this job needed was in the caches already (the marker was gone): so, most likely, is
+            # what the helpers compile. Waiting would only cost their start-up; the warm-up compiles any miss.
+            self.workers.stop()
+            self.log(f"compile workers: {job} was in the caches, so the helpers were stopped")
+            return
         t = time.time()
         problems = self.workers.wait()
         self.warm_up_times.append(("waiting for the compile workers", time.time() - t))
@@ -3256,6 +3273,11 @@ class Trainer:
 def compiled_graph_count() -> int:
     """Graphs torch.compile has produced in this process (model regions and optimizer helpers)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def compile_cache_misses() -> int:
+    """Graphs Inductor had to compile in this process because its cache did not hold them."""
+    return int(torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"])
 
 
 def no_compiles_allowed(enabled: bool = True):
@@ -3419,6 +3441,21 @@ def compile_enabled(args: Hyperparameters, device: str) -> bool:
     return args.compile == "on" or (args.compile == "auto" and device == "cuda")
 
 
+PARALLEL_TRUNK_GRAPHS = 3  # the trunk's graphs with compile workers: three jobs of a few blocks each
+
+
+def parallel_compile_configured(args: Hyperparameters, device: str, env=os.environ) -> bool:
+    """Whether this configuration compiles with helper processes (their graphs then split the trunk). Inductor's
+    cache keys name the GPU, so each training process would need helpers of its own: auto only with one per node."""
+    if args.parallel_compile == "off" or not compile_enabled(args, device):
+        return False
+    return args.parallel_compile == "on" or int(env.get("LOCAL_WORLD_SIZE", 1)) == 1
+
+
+def resolve_trunk_graphs(args: Hyperparameters, device: str, env=os.environ) -> int:
+    return args.trunk_graphs or (PARALLEL_TRUNK_GRAPHS if parallel_compile_configured(args, device, env) else 1)
+
+
 def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: bool = False) -> Runtime:
     """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read.
     parallel_compile: whether compile workers were started (decided earlier: see wants_parallel_compile)."""
@@ -3440,7 +3477,7 @@ def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: boo
                    fused_qk_norm_rope=args.fused_qk_norm_rope and backend == "fa4" and triton is not None,
                    fa4_launch_replay=args.fa4_launch_replay and backend == "fa4",
                    quack_plans=args.quack_plans and mlp_kernel == "quack",
-                   trunk_graphs=args.trunk_graphs, parallel_compile=parallel_compile)
+                   trunk_graphs=resolve_trunk_graphs(args, device, env), parallel_compile=parallel_compile)
     startup_mark("kernel libraries")  # resolving the backends imports FlashAttention-4's and quack's CuTe DSL
     return rt
 
@@ -3500,7 +3537,7 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
                 dynamic_seq_len=rt.dynamic_seq_len, mlp_kernel=rt.mlp_kernel,
-                fused_qk_norm_rope=rt.fused_qk_norm_rope).to(rt.device)
+                fused_qk_norm_rope=rt.fused_qk_norm_rope, trunk_graphs=rt.trunk_graphs).to(rt.device)
     FA4_LAUNCHES.enabled = rt.fa4_launch_replay  # the ops' host paths (module state: the ops are global)
     QUACK_PLANS.enabled = rt.quack_plans
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
@@ -3682,18 +3719,40 @@ COMPILE_ARGS_VAR = "SPEEDRUN_COMPILE_ARGS"  # the trainer's settings, as JSON
 COMPILE_WORKER_TIMEOUT_S = 900
 
 
-def compile_jobs(args: Hyperparameters, world_size: int) -> list:
+def compile_jobs(trunk_graphs: int, world_size: int) -> list:
     """What can compile side by side: the trunk's parts, the head and, on one GPU, the optimizers' helpers (with
     several, their shapes depend on the ranks' shards, which a helper without the process group cannot see). The
     first job is the trainer's own."""
-    return [f"trunk{k}" for k in range(args.trunk_graphs)] + ["head"] + (["optimizers"] if world_size == 1 else [])
+    return [f"trunk{k}" for k in range(trunk_graphs)] + ["head"] + (["optimizers"] if world_size == 1 else [])
+
+
+# Settings that cannot change a compiled graph: a run that differs from an earlier one only in these still finds
+# its graphs in the caches. (A change anywhere else only means that the helpers run again.)
+GRAPH_NEUTRAL_SETTINGS = ("run_id", "seed", "log_dir", "save_checkpoint", "profile_step", "compile_cache", "data_path",
+                          "train_files", "val_files", "train_epochs", "val_loss_every", "check", "check_flags",
+                          "num_scheduled_iterations", "num_extension_iterations", "parallel_compile")
+
+
+def compiled_marker(args: Hyperparameters, world_size: int) -> Path:
+    """A file in Inductor's cache folder, written after a warm-up, that says this script with these settings was
+    compiled here: its name hashes the script's source, the settings that can change a graph, the versions and the
+    world size. Wiping the cache folder wipes the marker with it."""
+    import hashlib
+    import json
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in GRAPH_NEUTRAL_SETTINGS}
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest.update(json.dumps([settings, torch.__version__, triton.__version__ if triton else None, world_size],
+                             sort_keys=True, default=str).encode())
+    return Path(cache_dir()) / "speedrun_compiled" / digest.hexdigest()[:32]
 
 
 def wants_parallel_compile(args: Hyperparameters, device: str, cache_loaded: bool, env=os.environ) -> bool:
-    """Helpers only pay where there is something to compile: not with a loaded bundle, not without compiling."""
-    if args.parallel_compile == "off" or cache_loaded or not compile_enabled(args, device):
+    """Helpers only pay where there is something to compile: not with a loaded bundle, not where an earlier run
+    of the same script and settings left its graphs in the caches."""
+    if cache_loaded or not parallel_compile_configured(args, device, env):
         return False
-    return args.parallel_compile == "on" or int(env.get("LOCAL_WORLD_SIZE", 1)) == 1
+    return not compiled_marker(args, int(env.get("WORLD_SIZE", 1))).exists()
 
 
 def hyperparameters_to_json(args: Hyperparameters) -> str:
@@ -3771,7 +3830,9 @@ def start_compile_workers(args: Hyperparameters, cache_loaded: bool, env=os.envi
     open_compile_cache, before the kernel libraries load, so the helpers' start-up overlaps the trainer's."""
     if not wants_parallel_compile(args, pick_device(args), cache_loaded, env):
         return None
-    workers = CompileWorkers.start(args, compile_jobs(args, int(env.get("WORLD_SIZE", 1)))[1:], env)
+    device = pick_device(args)
+    jobs = compile_jobs(resolve_trunk_graphs(args, device, env), int(env.get("WORLD_SIZE", 1)))
+    workers = CompileWorkers.start(args, jobs[1:], env)
     startup_mark("compile workers started")
     return workers
 
