@@ -161,7 +161,7 @@ class Hyperparameters:
                                     ("auto", "on", "off"))
     trunk_graphs: int = setting(0, "compile the trunk (embeddings and blocks) as this many graphs over consecutive "
                                    "blocks, 1 to 11, each a compile job of its own; 0: 3 with --parallel-compile, "
-                                   "else 1 (one graph fuses across blocks: about 1 % faster at stages 2-3)")
+                                   "else 1 (one graph fuses across blocks, a little faster at stages 2-3)")
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
                                      "with this torch/triton/GPU, written after the warm-up when not; empty: off")
     log_dir: str = setting("logs", "folder for <run-id>.txt")
