@@ -3201,8 +3201,10 @@ class Trainer:
         self.warm_up_times.append(("waiting for the compile workers", time.time() - t))
         for line in problems:
             self.log(line)
-        self.console(f"warm-up: compiled {job} here and {len(self.workers.procs) - len(problems)} of "
-                     f"{len(self.workers.procs)} jobs in helper processes: {sum(s for _, s in self.warm_up_times):.1f}s")
+        helpers = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.workers.seconds.items())
+        self.log(f"warm-up: compiled {job} here and {len(self.workers.procs) - len(problems)} of "
+                 f"{len(self.workers.procs)} jobs in helper processes ({helpers}): "
+                 f"{sum(s for _, s in self.warm_up_times):.1f}s")
 
     def train(self) -> "RunResult":
         with no_compiles_allowed(self.args.fail_on_recompile):
@@ -3798,21 +3800,27 @@ class CompileWorkers:
         return cls(procs, log_dir)
 
     def wait(self, timeout_s: float = COMPILE_WORKER_TIMEOUT_S) -> list:
-        """Block until every helper has exited; one line for each that failed (the warm-up compiles its job)."""
+        """Block until every helper has exited; one line for each that failed (the warm-up compiles its job).
+        self.seconds: each helper's time from its start to its exit (where the parallel compile's time goes)."""
+        self.seconds = {}
+        while len(self.seconds) < len(self.procs) and time.time() < self.started + timeout_s:
+            for job, (proc, _) in self.procs.items():
+                if job not in self.seconds and proc.poll() is not None:
+                    self.seconds[job] = time.time() - self.started
+            time.sleep(0.05)
         problems = []
         for job, (proc, log) in self.procs.items():
-            try:
-                code = proc.wait(timeout=max(self.started + timeout_s - time.time(), 0.0))
-                why = f"exit {code}"
-            except subprocess.TimeoutExpired:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-                code, why = None, f"still running after {timeout_s:.0f}s"
-            if code != 0:
-                lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-                last = f": {lines[-1].strip()[:200]}" if lines else ""
-                problems.append(f"compile worker for {job} failed ({why}{last}; log {log}); the warm-up compiles "
-                                f"it here")
+                why = f"still running after {timeout_s:.0f}s"
+            elif proc.returncode != 0:
+                why = f"exit {proc.returncode}"
+            else:
+                continue
+            lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+            last = f": {lines[-1].strip()[:200]}" if lines else ""
+            problems.append(f"compile worker for {job} failed ({why}{last}; log {log}); the warm-up compiles it here")
         if not problems:
             import shutil
             shutil.rmtree(self.log_dir, ignore_errors=True)

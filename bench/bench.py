@@ -396,7 +396,7 @@ def main(argv=None) -> int:
                 triton_cache_dir=os.environ.get("TRITON_CACHE_DIR", ""),
                 triton_cache_mb_after=folder_mb(Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))),
                 before_warm_up_parts_s=tg.startup_seconds(), warm_up_parts_s=dict(trainer.warm_up_times),
-                compile_cache=cache_line, **compile_report())
+                compile_cache=cache_line, compile_workers_s=getattr(workers, "seconds", None), **compile_report())
     print(f"cold start {cold['this_process_s']:.1f}s (warm-up {warm_up_s:.1f}s)", flush=True)
     if a.cold_start_only:
         out.write_text(json.dumps(cold))

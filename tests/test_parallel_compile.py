@@ -143,6 +143,7 @@ def test_helpers_get_their_job_and_the_settings_but_no_rank_and_failures_are_one
                                       command=[sys.executable, "-c", HELPER, str(tmp_path)])
     problems = workers.wait(timeout_s=8)
     assert time.time() - t < 20
+    assert set(workers.seconds) == {"trunk1", "head"}  # the optimizers' helper never exited
     seen = json.loads((tmp_path / "trunk1.json").read_text())
     assert seen == dict(SPEEDRUN_COMPILE_JOB="trunk1", RANK=None, WORLD_SIZE="1", LOCAL_RANK="0",
                         TORCHELASTIC_ERROR_FILE=None, args=json.loads(tg.hyperparameters_to_json(args)))
@@ -215,7 +216,7 @@ def test_warm_up_with_workers_stops_them_when_its_own_job_found_everything_cache
     would only cost their start-up."""
     events = []
     workers = types_namespace(procs={"trunk1": None}, stop=lambda: events.append("stop"),
-                              wait=lambda: events.append("wait") or [])
+                              wait=lambda: events.append("wait") or [], seconds={"trunk1": 12.5})
     trainer = types_namespace(args=SMOKE, rt=types_namespace(trunk_graphs=3, world_size=1), model=None,
                               workers=workers, warm_up_times=[], log=events.append, console=events.append)
     monkeypatch.setattr(tg, "run_compile_passes", lambda *a: None)
@@ -226,6 +227,7 @@ def test_warm_up_with_workers_stops_them_when_its_own_job_found_everything_cache
     events.clear()
     tg.Trainer.compile_side_by_side(trainer)
     assert events[0] == "wait" and "stop" not in events
+    assert "1 of 1 jobs in helper processes (trunk1 12.5s)" in events[1]
 
 
 def types_namespace(**kw):
