@@ -3018,23 +3018,27 @@ def run_compile_passes(model: GPT, args: Hyperparameters, rt: "Runtime", job: st
     (forward and backward) at the first warm-up step's shapes and a validation micro-batch at the first
     validation's, with only `job`'s region compiled. Other regions run eagerly, and the validation pass stops
     after the job's trunk part, so no eager lm_head sees a whole validation micro-batch. For "optimizers", the
-    first two warm-up steps' optimizer steps (NorMuon alone, then both) on a fresh pair of optimizers, after an
-    eager forward and backward each. Leaves no gradients behind."""
+    first two warm-up steps' optimizer steps (NorMuon alone, then both) on a fresh pair of optimizers, from random
+    gradients (it changes the weights: a helper's job only). Leaves no gradients behind."""
     first = stages(args)[0]
     per_step = rt.grad_accum_steps * rt.world_size
     model.compiled_jobs = {job}
     try:
-        batch = synthetic_micro_batch(first.batch_size // per_step, args.train_max_seq_len, args.vocab_size,
-                                      rt.device, seed=1)
         if job == "optimizers":
+            # Their graphs see only the gradients' shapes, dtypes and strides: random ones, like a backward's, spare
+            # this helper the model's kernels (and their compiles, which the other helpers are doing meanwhile).
             adam, muon = build_optimizers(model, args)
             if rt.compile:
                 muon.compile_helpers()
                 adam.compile_helpers()
+            g = torch.Generator(device=rt.device).manual_seed(3)
             for step in (0, 1):
-                model(*batch, first.ws_short, first.ws_long, args.train_max_seq_len).backward()
+                for p in model.parameters():
+                    p.grad = torch.randn(p.shape, dtype=p.dtype, device=p.device, generator=g)
                 optimizer_step(step, model, adam, muon)
             return
+        batch = synthetic_micro_batch(first.batch_size // per_step, args.train_max_seq_len, args.vocab_size,
+                                      rt.device, seed=1)
         model(*batch, first.ws_short, first.ws_long, args.train_max_seq_len).backward()
         model.zero_grad(set_to_none=True)
         short, long = eval_windows(args)[0]
