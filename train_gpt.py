@@ -3182,7 +3182,7 @@ class Trainer:
             opt.load_state_dict(state)
         del batches
         if self.rt.compile and self.rt.local_rank == 0:  # the next run of this script here needs no helpers
-            marker = compiled_marker(self.args, self.rt.world_size)
+            marker = compiled_marker(self.args, self.rt.world_size, self.rt.trunk_graphs)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
 
@@ -3739,17 +3739,17 @@ GRAPH_NEUTRAL_SETTINGS = ("run_id", "seed", "log_dir", "save_checkpoint", "profi
                           "num_scheduled_iterations", "num_extension_iterations", "parallel_compile")
 
 
-def compiled_marker(args: Hyperparameters, world_size: int) -> Path:
+def compiled_marker(args: Hyperparameters, world_size: int, trunk_graphs: int) -> Path:
     """A file in Inductor's cache folder, written after a warm-up, that says this script with these settings was
-    compiled here: its name hashes the script's source, the settings that can change a graph, the versions and the
-    world size. Wiping the cache folder wipes the marker with it."""
+    compiled here: its name hashes the script's source, the settings that can change a graph (the trunk's graph
+    count as resolved), the versions and the world size. Wiping the cache folder wipes the marker with it."""
     import hashlib
     import json
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in GRAPH_NEUTRAL_SETTINGS}
     digest = hashlib.sha256(Path(__file__).read_bytes())
-    digest.update(json.dumps([settings, torch.__version__, triton.__version__ if triton else None, world_size],
-                             sort_keys=True, default=str).encode())
+    digest.update(json.dumps([settings, trunk_graphs, torch.__version__, triton.__version__ if triton else None,
+                              world_size], sort_keys=True, default=str).encode())
     return Path(cache_dir()) / "speedrun_compiled" / digest.hexdigest()[:32]
 
 
@@ -3758,7 +3758,8 @@ def wants_parallel_compile(args: Hyperparameters, device: str, cache_loaded: boo
     of the same script and settings left its graphs in the caches."""
     if cache_loaded or not parallel_compile_configured(args, device, env):
         return False
-    return not compiled_marker(args, int(env.get("WORLD_SIZE", 1))).exists()
+    marker = compiled_marker(args, int(env.get("WORLD_SIZE", 1)), resolve_trunk_graphs(args, device, env))
+    return not marker.exists()
 
 
 def hyperparameters_to_json(args: Hyperparameters) -> str:
@@ -3840,9 +3841,9 @@ class CompileWorkers:
 def start_compile_workers(args: Hyperparameters, cache_loaded: bool, env=os.environ):
     """CompileWorkers for every job but the first, or None; run() and bench/bench.py both call this right after
     open_compile_cache, before the kernel libraries load, so the helpers' start-up overlaps the trainer's."""
-    if not wants_parallel_compile(args, pick_device(args), cache_loaded, env):
-        return None
     device = pick_device(args)
+    if not wants_parallel_compile(args, device, cache_loaded, env):
+        return None
     jobs = compile_jobs(resolve_trunk_graphs(args, device, env), int(env.get("WORLD_SIZE", 1)))
     workers = CompileWorkers.start(args, jobs[1:], env)
     startup_mark("compile workers started")

@@ -93,23 +93,26 @@ def test_helpers_are_skipped_with_a_loaded_bundle_or_after_a_run_of_the_same_scr
     assert tg.wants_parallel_compile(args, "cuda", cache_loaded=False, env=env)
     assert not tg.wants_parallel_compile(args, "cuda", cache_loaded=True, env=env)
     assert not tg.wants_parallel_compile(args, "cpu", cache_loaded=False, env=env)
-    marker = tg.compiled_marker(args, 1)
+    marker = tg.compiled_marker(args, 1, 3)
     assert marker.parent.parent == tmp_path
     marker.parent.mkdir(parents=True)
     marker.touch()
     assert not tg.wants_parallel_compile(args, "cuda", cache_loaded=False, env=env)
     assert tg.wants_parallel_compile(tg.parse_args(["--mlp-kernel", "inductor"]), "cuda", False, env)
+    # a one-graph run's marker does not stand for the split trunk's graphs
+    assert tg.compiled_marker(args, 1, 1) != marker
 
 
 def test_marker_changes_with_what_shapes_a_graph_not_with_seeds_logs_or_schedule_length(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    base = tg.compiled_marker(tg.parse_args([]), 1)
+    base = tg.compiled_marker(tg.parse_args([]), 1, 3)
     for same in (["--seed", "5"], ["--run-id", "x", "--log-dir", "elsewhere"], ["--num-scheduled-iterations", "90"],
                  ["--data-path", "data/proxy", "--train-epochs", "20"], ["--parallel-compile", "on"]):
-        assert tg.compiled_marker(tg.parse_args(same), 1) == base, same
-    for other in (["--fp8", "off"], ["--trunk-graphs", "2"], ["--val-batch-size", "524288"]):
-        assert tg.compiled_marker(tg.parse_args(other), 1) != base, other
-    assert tg.compiled_marker(tg.parse_args([]), 2) != base
+        assert tg.compiled_marker(tg.parse_args(same), 1, 3) == base, same
+    for other in (["--fp8", "off"], ["--val-batch-size", "524288"], ["--mlp-kernel", "inductor"]):
+        assert tg.compiled_marker(tg.parse_args(other), 1, 3) != base, other
+    assert tg.compiled_marker(tg.parse_args([]), 2, 3) != base
+    assert tg.compiled_marker(tg.parse_args([]), 1, 2) != base
 
 
 def test_settings_reach_the_helpers_unchanged_through_json():
