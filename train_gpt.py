@@ -12,9 +12,11 @@ One file, read top to bottom, one concept per section:
     model           GPT with value embeddings, smear gate, sparse attention gates, YaRN rotary
     data            shard reader, BOS-aligned batching, async shard preloading
     schedules       the stage table (batch size, windows), learning rate, Muon momentum
-    training loop   untimed kernel warm-up, timed training, validation, logging
-    diagnostics     recompile guard, profile summary, replica check
-    main()          settings -> runtime -> trainer -> run
+    training loop   untimed kernel warm-up (and the passes that compile one compile job), timed training,
+                    validation, logging
+    diagnostics     recompile guard, compile-cache counters, profile summary, replica check
+    main()          settings -> runtime -> trainer -> run; the portable compile-cache bundle; compile workers
+                    (helper processes compiling the trunk's graphs, the head and the optimizers side by side)
 
 Launch:  torchrun --standalone --nproc_per_node=8 train_gpt.py   (1, 2, 4 or 8 GPUs; same global batch)
 CPU:     torchrun --standalone --nproc_per_node=2 train_gpt.py --smoke --data-path data/proxy
@@ -3398,7 +3400,7 @@ class Runtime:
     fa4_launch_replay: bool = False   # FA4_LAUNCHES: replay FlashAttention-4's recorded launches
     quack_plans: bool = False         # QUACK_PLANS: quack's MLP GEMMs through its prepared plans
     trunk_graphs: int = 1             # compiled graphs the trunk is split into (GPT.trunk_bounds)
-    parallel_compile: bool = False    # compile workers compiled the jobs beyond this process's first one
+    parallel_compile: bool = False    # compile workers were started for the jobs beyond this process's first
 
     @property
     def master(self) -> bool:
@@ -3715,11 +3717,12 @@ def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
 
 
 # Compile workers. With empty caches most of the cold start is Inductor compiling the trunk on one CPU core, graph
-# after graph. The trunk's --trunk-graphs parts and the head are independent compile jobs: helper processes (one
-# per job but the first, on this process's GPU, started before the kernel libraries load) each compile one while
-# this process compiles the first; the warm-up then finds their graphs in Inductor's on-disk cache, because the
-# same code given inputs of the same shapes, dtypes and strides yields the same cache keys. Those keys name the
-# GPU, so every training process needs helpers of its own: auto starts them only with one process per node.
+# after graph. The trunk's --trunk-graphs parts, the head and the optimizers' helpers are independent compile jobs:
+# helper processes (one per job but the first, on this process's GPU, started before the kernel libraries load)
+# each compile one while this process compiles the first; the warm-up then finds their graphs in Inductor's on-disk
+# cache, because the same code given inputs of the same shapes, dtypes and strides yields the same cache keys.
+# Those keys name the GPU, so every training process needs helpers of its own: auto starts them only with one
+# process per node.
 COMPILE_JOB_VAR = "SPEEDRUN_COMPILE_JOB"    # set in a helper: the job it compiles
 COMPILE_ARGS_VAR = "SPEEDRUN_COMPILE_ARGS"  # the trainer's settings, as JSON
 COMPILE_WORKER_TIMEOUT_S = 900
@@ -3770,7 +3773,8 @@ def hyperparameters_to_json(args: Hyperparameters) -> str:
 def hyperparameters_from_json(text: str) -> Hyperparameters:
     import json
     defaults = {f.name: f.default for f in dataclasses.fields(Hyperparameters)}
-    return Hyperparameters(**{k: tuple(v) if isinstance(defaults[k], tuple) else v for k, v in json.loads(text).items()})
+    values = json.loads(text)
+    return Hyperparameters(**{k: tuple(v) if isinstance(defaults[k], tuple) else v for k, v in values.items()})
 
 
 def _end_with_parent():
@@ -3787,6 +3791,7 @@ class CompileWorkers:
 
     def __init__(self, procs: dict, log_dir: Path):
         self.procs, self.log_dir, self.started = procs, log_dir, time.time()  # procs: job -> (Popen, log path)
+        self.seconds = {}  # job -> seconds from the start to the helper's exit, filled by wait()
 
     @classmethod
     def start(cls, args: Hyperparameters, jobs: list, env=os.environ, command=None) -> "CompileWorkers":
@@ -3799,15 +3804,14 @@ class CompileWorkers:
         for job in jobs:
             log = log_dir / f"{job}.txt"
             with open(log, "w") as out:
-                procs[job] = (subprocess.Popen(command or [sys.executable, __file__], env={**child_env, COMPILE_JOB_VAR: job},
-                                               stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                               preexec_fn=_end_with_parent), log)
+                proc = subprocess.Popen(command or [sys.executable, __file__], env={**child_env, COMPILE_JOB_VAR: job},
+                                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        preexec_fn=_end_with_parent)
+            procs[job] = (proc, log)
         return cls(procs, log_dir)
 
     def wait(self, timeout_s: float = COMPILE_WORKER_TIMEOUT_S) -> list:
-        """Block until every helper has exited; one line for each that failed (the warm-up compiles its job).
-        self.seconds: each helper's time from its start to its exit (where the parallel compile's time goes)."""
-        self.seconds = {}
+        """Block until every helper has exited; one line for each that failed (the warm-up compiles its job)."""
         while len(self.seconds) < len(self.procs) and time.time() < self.started + timeout_s:
             for job, (proc, _) in self.procs.items():
                 if job not in self.seconds and proc.poll() is not None:
