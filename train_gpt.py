@@ -3283,9 +3283,18 @@ def compiled_graph_count() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
+def compile_cache_counts() -> dict:
+    """This process's cache hits and misses: Inductor's compiled graphs and AOT autograd's traced ones."""
+    counters = torch._dynamo.utils.counters
+    return dict(inductor=dict(hits=int(counters["inductor"]["fxgraph_cache_hit"]),
+                              misses=int(counters["inductor"]["fxgraph_cache_miss"])),
+                aot_autograd=dict(hits=int(counters["aot_autograd"]["autograd_cache_hit"]),
+                                  misses=int(counters["aot_autograd"]["autograd_cache_miss"])))
+
+
 def compile_cache_misses() -> int:
     """Graphs Inductor had to compile in this process because its cache did not hold them."""
-    return int(torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"])
+    return compile_cache_counts()["inductor"]["misses"]
 
 
 def no_compiles_allowed(enabled: bool = True):
@@ -3636,7 +3645,7 @@ def kernel_cache_files(var: str, folder: Path) -> list:
     if var == "TRITON_CACHE_DIR":
         # One sub-folder per compiled kernel, named in its __grp__<kernel>.json: ours travel. So do the C modules
         # Triton builds with the host compiler on first use (its CUDA driver helpers, a launcher per kernel
-        # signature): about a second of gcc on a fresh machine, and the bundle's key pins Python and Triton.
+        # signature), which a fresh machine would otherwise build again; the bundle's key pins Python and Triton.
         groups = {f"__grp__{name}.json" for name in own_triton_kernels()}
         c_module = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
         ours = {p.parent for p in files if p.name in groups or p.name.endswith(c_module)}

@@ -326,12 +326,9 @@ def compile_report() -> dict:
         table = compile_times(repr="str", aggregate=True)
     except Exception as e:  # the helper's signature moves between torch versions; this is diagnostics only
         table = f"unavailable: {type(e).__name__}: {e}"
-    counters = torch._dynamo.utils.counters
-    return dict(graphs=tg.compiled_graph_count(), compile_times=table,
-                inductor_cache=dict(hits=int(counters["inductor"]["fxgraph_cache_hit"]),
-                                    misses=int(counters["inductor"]["fxgraph_cache_miss"])),
-                aot_autograd_cache=dict(hits=int(counters["aot_autograd"]["autograd_cache_hit"]),
-                                        misses=int(counters["aot_autograd"]["autograd_cache_miss"])))
+    counts = tg.compile_cache_counts()
+    return dict(graphs=tg.compiled_graph_count(), compile_times=table, inductor_cache=counts["inductor"],
+                aot_autograd_cache=counts["aot_autograd"])
 
 
 def git_commit() -> str:

@@ -238,14 +238,42 @@ def types_namespace(**kw):
     return types.SimpleNamespace(**kw)
 
 
-def test_trainer_and_benchmark_start_the_same_workers(monkeypatch, tmp_path):
-    """run() and bench.py both call start_compile_workers right after opening the compile cache."""
-    import inspect
+class Stop(Exception):
+    """Ends a run right after the point under test."""
+
+
+def record_start_up(monkeypatch, events, fail):
+    """open_compile_cache and start_compile_workers recorded; the next step (train_run or build_trainer) fails."""
+    monkeypatch.setattr(tg, "open_compile_cache", lambda args: events.append("cache") or (None, True, "loaded"))
+    workers = types_namespace(stop=lambda: events.append("stop"), seconds={})
+    monkeypatch.setattr(tg, "start_compile_workers",
+                        lambda args, cache_loaded: events.append(("workers", cache_loaded)) or workers)
+
+    def next_step(*a, **k):
+        events.append(("next", a[-1] is workers))
+        raise Stop
+    monkeypatch.setattr(tg, fail, next_step)
+
+
+def test_run_starts_the_workers_after_the_compile_cache_and_stops_them_when_the_run_fails(monkeypatch):
+    events = []
+    record_start_up(monkeypatch, events, "train_run")
+    with pytest.raises(Stop):
+        tg.run(tg.parse_args(CPU))
+    assert events == ["cache", ("workers", True), ("next", True), "stop"]
+
+
+def test_benchmark_starts_the_workers_as_the_trainer_does(monkeypatch, tmp_path):
     sys.path.insert(0, str(tg.Path(tg.__file__).parent / "bench"))
     import bench
-    for source in (inspect.getsource(tg.run), inspect.getsource(bench.main)):
-        opened = source.index("open_compile_cache(args)")
-        assert opened < source.index("start_compile_workers(args, cache_loaded)")
+    events = []
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # bench.py measures its size
+    record_start_up(monkeypatch, events, "build_trainer")
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "make_synthetic_shards", lambda *a, **k: None)
+    with pytest.raises(Stop):
+        bench.main(["--out", str(tmp_path / "b.json"), "--data-dir", str(tmp_path / "data"), "--", *CPU])
+    assert events == ["cache", ("workers", True), ("next", True), "stop"]
 
 
 def test_run_config_names_the_trunk_graphs_and_whether_helpers_compiled():
