@@ -3607,6 +3607,7 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path, workers: "
 # in one zip with the versions it was made with. A bundle from other versions or GPUs is ignored, never an error.
 # Triton's folder holds Inductor's kernels too (already in the artifacts): only this script's own kernels travel.
 COMPILE_CACHE_DIRS = ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR", "TRITON_CACHE_DIR")
+INDUCTOR_DIR_ENTRY = "inductor_cache_dir.txt"  # the Inductor folder the bundle was written from
 
 
 def default_kernel_cache_dirs(env=os.environ) -> None:
@@ -3660,6 +3661,36 @@ def compile_cache_key() -> dict:
                 python=f"{sys.version_info.major}.{sys.version_info.minor}", gpu=gpu)
 
 
+def inductor_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return cache_dir()
+
+
+def place_autotune_results(keys: list, origin: str) -> str:
+    """Inductor's kernels come out of the bundle already compiled, and each looks up its autotuning result (which of
+    its launch configs won) beside the source file it was compiled from: by that file's absolute path on the machine
+    that wrote the bundle. PyTorch restores the results into this machine's Inductor folder; where that folder has
+    another path, every kernel with several configs would be benchmarked again at its first launch. So copy them to
+    the bundle's path as well. Returns a note for the log line ("" when nothing needed doing)."""
+    here = Path(inductor_cache_dir())
+    if not keys or not origin or Path(origin) == here:
+        return ""
+    placed = 0
+    try:
+        for key in keys:
+            rel = Path(key)
+            if rel.is_absolute() or ".." in rel.parts or rel.suffix != ".best_config" or not (here / rel).is_file():
+                continue
+            target = Path(origin) / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes((here / rel).read_bytes())
+            placed += 1
+    except OSError as e:
+        return (f"; its autotuning results could not be placed under {origin} ({type(e).__name__}), so kernels "
+                f"benchmark their configs again: set TORCHINDUCTOR_CACHE_DIR={origin} to avoid it")
+    return f"; {placed} autotuning results also placed under {origin}, where its kernels look for them"
+
+
 def load_compile_cache(path: Path) -> tuple[bool, str]:
     """(loaded, one line for the log). Restores the kernel-cache folders whose variable is set here."""
     import json
@@ -3674,7 +3705,9 @@ def load_compile_cache(path: Path) -> tuple[bool, str]:
                 diff = ", ".join(f"{k} {made_with.get(k)} there vs {v} here" for k, v in here.items()
                                  if made_with.get(k) != v)
                 return False, f"compile cache: {path} was made elsewhere ({diff}); ignored, rewritten after the warm-up"
-            torch.compiler.load_cache_artifacts(z.read("artifacts.bin"))
+            info = torch.compiler.load_cache_artifacts(z.read("artifacts.bin"))
+            origin = z.read(INDUCTOR_DIR_ENTRY).decode() if INDUCTOR_DIR_ENTRY in z.namelist() else ""
+            autotune_note = place_autotune_results(list(getattr(info, "autotune_artifacts", None) or []), origin)
             restored = 0
             for name in z.namelist():
                 var, _, rel = name.partition("/")
@@ -3688,7 +3721,8 @@ def load_compile_cache(path: Path) -> tuple[bool, str]:
                     restored += 1
     except (OSError, KeyError, ValueError, zipfile.BadZipFile, RuntimeError) as e:
         return False, f"compile cache: {path} unreadable ({type(e).__name__}: {e}); ignored, rewritten after the warm-up"
-    return True, f"compile cache: loaded {path} ({path.stat().st_size / 2**20:.1f} MB, {restored} kernel-cache files)"
+    return True, (f"compile cache: loaded {path} ({path.stat().st_size / 2**20:.1f} MB, {restored} kernel-cache files)"
+                  + autotune_note)
 
 
 def save_compile_cache(path: Path) -> str:
@@ -3704,6 +3738,7 @@ def save_compile_cache(path: Path) -> str:
     with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
         z.writestr("key.json", json.dumps(compile_cache_key()))
         z.writestr("artifacts.bin", saved[0])
+        z.writestr(INDUCTOR_DIR_ENTRY, inductor_cache_dir())
         for var in COMPILE_CACHE_DIRS:
             folder = Path(os.environ.get(var, "")) if os.environ.get(var) else None
             if folder is not None and folder.is_dir():
@@ -3757,12 +3792,11 @@ def compiled_marker(args: Hyperparameters, world_size: int, trunk_graphs: int) -
     count as resolved), the versions and the world size. Wiping the cache folder wipes the marker with it."""
     import hashlib
     import json
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
     settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in GRAPH_NEUTRAL_SETTINGS}
     digest = hashlib.sha256(Path(__file__).read_bytes())
     digest.update(json.dumps([settings, trunk_graphs, torch.__version__, triton.__version__ if triton else None,
                               world_size], sort_keys=True, default=str).encode())
-    return Path(cache_dir()) / "speedrun_compiled" / digest.hexdigest()[:32]
+    return Path(inductor_cache_dir()) / "speedrun_compiled" / digest.hexdigest()[:32]
 
 
 def wants_parallel_compile(args: Hyperparameters, device: str, cache_loaded: bool, env=os.environ) -> bool:

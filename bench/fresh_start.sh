@@ -10,7 +10,9 @@ cd "$(dirname "$0")/.."
 label=$1; shift
 DEST=${DEST:-bench/out}; mkdir -p "$DEST/$label.tmp"
 caches=/tmp/fresh_start_$label
-rm -rf "$caches" ~/.triton
+# A fresh machine has no caches at all: earlier runs' folders go too (a bundle's kernels name the folder they were
+# compiled in, and would still find what an earlier run left there).
+rm -rf /tmp/fresh_start_* ~/.triton
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton \
        FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$caches/fa4 QUACK_CACHE_DIR=$caches/quack
 runner=(python3)

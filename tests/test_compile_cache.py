@@ -80,6 +80,67 @@ def test_bundle_from_one_machine_skips_compilation_on_a_fresh_one(tmp_path):
     assert group["child_paths"] == {"_softcap_ce_backward_kernel.cubin": str(tmp_path / "triton_b" / restored[1])}
 
 
+AUTOTUNE_PROCESS = r"""
+import json, sys, torch
+from pathlib import Path
+from torch.compiler._cache import CacheArtifactManager
+import train_gpt as tg
+mode, bundle = sys.argv[1], Path(sys.argv[2])
+if mode == "save":
+    f = torch.compile(lambda x: x.sin() * 2, dynamic=False)
+    f(torch.randn(8))
+    # what Inductor records when a kernel's launch configs have been benchmarked (GPU only)
+    CacheArtifactManager.record_artifact("autotune", "ab/abcdef.best_config", {"XBLOCK": 128, "num_warps": 4})
+    print("RESULT=" + json.dumps(tg.save_compile_cache(bundle)))
+else:
+    print("RESULT=" + json.dumps(tg.load_compile_cache(bundle)[1]))
+"""
+
+
+@pytest.mark.slow
+def test_autotuning_results_are_also_placed_where_the_bundles_kernels_look_for_them(tmp_path):
+    """A kernel from the bundle looks for its autotuning result under the Inductor folder of the machine that wrote
+    the bundle; on a machine whose folder has another path the result must be there too, or it is benchmarked again."""
+    bundle = tmp_path / "bundle.zip"
+
+    def run(mode, inductor_dir):
+        env = dict(os.environ, PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(inductor_dir), PYTHONWARNINGS="ignore",
+                   TRITON_CACHE_DIR=str(tmp_path / f"triton_{mode}"))
+        r = subprocess.run([sys.executable, "-c", AUTOTUNE_PROCESS, mode, str(bundle)], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT="))[len("RESULT="):])
+
+    origin, here = tmp_path / "machine_a" / "inductor", tmp_path / "machine_b" / "inductor"
+    assert "wrote" in run("save", origin)
+    assert zipfile.ZipFile(bundle).read(tg.INDUCTOR_DIR_ENTRY).decode() == str(origin)
+    import shutil
+    shutil.rmtree(tmp_path / "machine_a")  # a fresh machine has no such folder
+    line = run("load", here)
+    assert "1 autotuning results also placed under " + str(origin) in line and "\n" not in line
+    restored = (here / "ab" / "abcdef.best_config").read_bytes()  # PyTorch's own restore
+    assert json.loads(restored)["XBLOCK"] == 128
+    assert (origin / "ab" / "abcdef.best_config").read_bytes() == restored
+    # loading where the bundle was written: nothing to copy, nothing said
+    assert "also placed" not in run("load", origin)
+
+
+def test_autotuning_results_never_leave_their_folder_and_an_unwritable_one_is_one_clause(tmp_path, monkeypatch):
+    here, origin = tmp_path / "here", tmp_path / "there"
+    (here / "ab").mkdir(parents=True)
+    (here / "ab" / "k.best_config").write_bytes(b"{}")
+    (here / "ab" / "k.py").write_bytes(b"source")
+    monkeypatch.setattr(tg, "inductor_cache_dir", lambda: str(here))
+    note = tg.place_autotune_results(["ab/k.best_config", "ab/k.py", "../ab/k.best_config", "/etc/k.best_config"],
+                                     str(origin))
+    assert note.startswith("; 1 autotuning results") and sorted(p.name for p in origin.rglob("*")) == ["ab", "k.best_config"]
+    assert tg.place_autotune_results([], str(origin)) == "" and tg.place_autotune_results(["ab/k.best_config"], "") == ""
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the folder should be")
+    note = tg.place_autotune_results(["ab/k.best_config"], str(blocked))
+    assert f"TORCHINDUCTOR_CACHE_DIR={blocked}" in note and "\n" not in note
+
+
 @pytest.mark.skipif(tg.triton is None, reason="needs triton")
 def test_restored_triton_entry_is_a_cache_hit_for_triton_itself(tmp_path, monkeypatch):
     """Triton's own cache manager, pointed at the restored folder, finds the entry through the rewritten group."""
