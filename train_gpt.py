@@ -162,7 +162,7 @@ class Hyperparameters:
                                             "skipped when the caches already hold this script's graphs",
                                     ("auto", "on", "off"))
     trunk_graphs: int = setting(0, "compile the trunk (embeddings and blocks) as this many graphs over consecutive "
-                                   "blocks, 1 to 11, each a compile job of its own; 0: 3 with --parallel-compile, "
+                                   "blocks, 1 to 11, each a compile job of its own; 0: 2 with --parallel-compile, "
                                    "else 1 (one graph fuses across blocks, a little faster at stages 2-3)")
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
                                      "with this torch/triton/GPU, written after the warm-up when not; empty: off")
@@ -3458,7 +3458,9 @@ def compile_enabled(args: Hyperparameters, device: str) -> bool:
     return args.compile == "on" or (args.compile == "auto" and device == "cuda")
 
 
-PARALLEL_TRUNK_GRAPHS = 3  # the trunk's graphs with compile workers: three jobs of a few blocks each
+# The trunk's graphs with compile workers: two jobs of five and six blocks. Each boundary costs fusions across it
+# (a fraction of a percent per step at stages 2-3); a third graph starts a little sooner but costs more per step.
+PARALLEL_TRUNK_GRAPHS = 2
 
 
 def parallel_compile_configured(args: Hyperparameters, device: str, env=os.environ) -> bool:
