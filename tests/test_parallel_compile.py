@@ -34,7 +34,7 @@ def test_trunk_graphs_cover_blocks_1_to_11_in_order_with_the_larger_parts_last()
     assert tg.trunk_bounds(12, 3) == [(1, 4), (4, 8), (8, 12)]
 
 
-@pytest.mark.parametrize("parts", [3, 11])
+@pytest.mark.parametrize("parts", [2, 3, 11])
 def test_a_split_trunk_computes_the_same_loss_and_gradients_as_one_graph(parts):
     """The parts hand over (x, x0, skip, backout, value embeddings): same ops in the same order as one trunk."""
     whole, split = smoke_model(1), smoke_model(parts)
@@ -69,15 +69,15 @@ def test_compile_jobs_are_the_trunk_parts_the_head_and_on_one_gpu_the_optimizers
 
 
 @pytest.mark.parametrize("flag, device, local_world, expected", [
-    ("auto", "cuda", "1", 3), ("auto", "cuda", "8", 1), ("on", "cuda", "8", 3), ("off", "cuda", "1", 1),
+    ("auto", "cuda", "1", 2), ("auto", "cuda", "8", 1), ("on", "cuda", "8", 2), ("off", "cuda", "1", 1),
     ("auto", "cpu", "1", 1)])
 def test_auto_trunk_graphs_split_the_trunk_only_where_compile_workers_run(flag, device, local_world, expected):
     """One graph fuses across blocks (a little faster at stages 2-3): the split is for configurations whose
     helpers compile the parts side by side. On the CPU nothing compiles unless asked."""
     args = tg.parse_args(["--parallel-compile", flag])
     assert tg.resolve_trunk_graphs(args, device, {"LOCAL_WORLD_SIZE": local_world}) == expected
-    assert tg.resolve_trunk_graphs(tg.parse_args(["--parallel-compile", flag, "--trunk-graphs", "2"]), device,
-                                   {"LOCAL_WORLD_SIZE": local_world}) == 2
+    assert tg.resolve_trunk_graphs(tg.parse_args(["--parallel-compile", flag, "--trunk-graphs", "3"]), device,
+                                   {"LOCAL_WORLD_SIZE": local_world}) == 3
 
 
 def test_trunk_graphs_outside_1_to_11_are_a_config_error():
@@ -93,7 +93,7 @@ def test_helpers_are_skipped_with_a_loaded_bundle_or_after_a_run_of_the_same_scr
     assert tg.wants_parallel_compile(args, "cuda", cache_loaded=False, env=env)
     assert not tg.wants_parallel_compile(args, "cuda", cache_loaded=True, env=env)
     assert not tg.wants_parallel_compile(args, "cpu", cache_loaded=False, env=env)
-    marker = tg.compiled_marker(args, 1, 3)
+    marker = tg.compiled_marker(args, 1, tg.PARALLEL_TRUNK_GRAPHS)
     assert marker.parent.parent == tmp_path
     marker.parent.mkdir(parents=True)
     marker.touch()
