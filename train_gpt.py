@@ -156,6 +156,9 @@ class Hyperparameters:
                                              "compiled kernels directly (same kernels, same arguments), skipping "
                                              "its Python interface's per-call planning")
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
+    cuda_graphs: str = setting("auto", "replay each training micro-batch (forward and backward) as one CUDA graph, "
+                                       "captured in the warm-up per batch size and window; auto: on with one CUDA "
+                                       "training process and torch.compile", ("auto", "on", "off"))
     parallel_compile: str = setting("auto", "at start-up, helper processes compile the trunk's graphs, the head and "
                                             "(one GPU) the optimizers' helpers side by side; the warm-up loads them "
                                             "from Inductor's cache; auto: on with one training process per node; "
@@ -2965,6 +2968,110 @@ def nvidia_smi() -> str:
         return "nvidia-smi: not available\n"
 
 
+# --- CUDA graphs of the training micro-batch ---
+# At stage 1 the host needs about as long to launch a micro-batch's few hundred kernels (most of them Inductor's) as
+# the GPU needs to run them, so the step follows the CPU's speed. A CUDA graph records the launches of one
+# micro-batch's forward and backward once, every kernel library's included, and replays them with one call. A replay
+# reads and writes the addresses it was captured with, so the graphs keep their own copies of the batch tensors and
+# one set of gradients that every backward accumulates into; their temporaries live in one memory pool of their own
+# (shared: the graphs never run at the same time and leave nothing alive in it). What a launch takes as a host value
+# is frozen at capture: the tokens per micro-batch, the windows and YaRN's softmax scale (all in the key); the loss's
+# divisor (micro-batches per step) is read from a tensor instead.
+
+class CudaGraph:
+    """torch.cuda.CUDAGraph, captured on a side stream right after one eager run there that does the micro-batch's
+    work (state made lazily per stream, such as cuBLAS's workspace, is then made outside the capture)."""
+    stream = pool = None  # shared by every capture
+
+    def capture(self, fn):
+        if CudaGraph.stream is None:
+            CudaGraph.stream, CudaGraph.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+        side = CudaGraph.stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=CudaGraph.pool, stream=side):
+            fn()
+
+    def replay(self):
+        self.graph.replay()
+
+    @staticmethod
+    def pool_bytes() -> int:
+        """Memory the graphs' pool holds (reserved for their temporaries; not in the allocator's allocated count)."""
+        if CudaGraph.pool is None:
+            return 0
+        pool = tuple(CudaGraph.pool)
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", ())) == pool)
+
+
+class MicroBatchGraphs:
+    """Training micro-batches run as graphs, one per key (batch shapes, windows, softmax scale). A key's first
+    micro-batch runs eagerly (it may compile), its second is captured (the eager run before the capture does its
+    work), the later ones replay. new_graph: the graph type (tests replace CUDA's)."""
+
+    def __init__(self, model: nn.Module, new_graph=CudaGraph):
+        self.model, self.new_graph = model, new_graph
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.grads = None        # the gradient tensors every graph accumulates into
+        self.divisor = None      # 0-D float32 on the device: micro-batches per step
+        self.divisor_value = None
+        self.graphs = {}         # key -> (graph, static copies of the batch tensors)
+        self.seen = set()
+        self.captures = self.replays = 0
+
+    def key(self, batch, ws_short: int, ws_long: int) -> tuple:
+        return (tuple((t.shape, t.dtype) for t in batch), ws_short, ws_long, self.model.yarn.attn_scale)
+
+    def attach_grads(self):
+        """Point every parameter's .grad at the graphs' buffers: a None gradient (zero_grad(set_to_none=True)) becomes
+        the zeroed buffer, a gradient made elsewhere (an eager backward) is copied into it."""
+        if self.grads is None:
+            self.grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+        zero = []
+        for p, g in zip(self.params, self.grads):
+            if p.grad is g:
+                continue
+            if p.grad is None:
+                zero.append(g)
+            else:
+                g.copy_(p.grad)
+            p.grad = g
+        if zero:
+            torch._foreach_zero_(zero)
+
+    def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward) -> bool:
+        """forward_backward(inputs, targets, cu_seqlens, divisor): one micro-batch's forward and backward of
+        loss / divisor. False: this micro-batch is for the caller to run eagerly (its key's first)."""
+        key = self.key(batch, ws_short, ws_long)
+        entry = self.graphs.get(key)
+        if entry is None and key not in self.seen:
+            self.seen.add(key)
+            return False
+        self.attach_grads()
+        if self.divisor is None:
+            self.divisor = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        if micro_batches != self.divisor_value:
+            self.divisor.fill_(micro_batches)
+            self.divisor_value = micro_batches
+        if entry is None:
+            static = tuple(t.clone() for t in batch)
+            graph = self.new_graph()
+            graph.capture(lambda: forward_backward(*static, self.divisor))
+            self.graphs[key] = (graph, static)
+            self.captures += 1
+            return True
+        graph, static = entry
+        for mine, t in zip(static, batch):
+            mine.copy_(t, non_blocking=True)
+        graph.replay()
+        self.replays += 1
+        return True
+
+
 class BatchStream:
     """Thin wrapper over the data generator so callers need not prime it with next()."""
 
@@ -3086,6 +3193,7 @@ class Trainer:
     val_file: str
     log: Logger
     workers: "CompileWorkers" = None  # helpers compiling the other compile jobs (start_compile_workers)
+    graphs: MicroBatchGraphs = None   # --cuda-graphs: the training micro-batches as CUDA graphs
 
     def console(self, text: str):
         if self.log.master:
@@ -3102,10 +3210,19 @@ class Trainer:
         for micro in range(micro_batches):
             if step % 2 == 1 and micro == micro_batches - 1:
                 self.adam.should_sync = True  # the post-accumulate hooks launch Adam's reduce-scatters
-            inputs, targets, cu_seqlens = batches.get(settings if micro == 0 else None)
-            loss = self.model(inputs, targets, cu_seqlens, ws_short, ws_long, self.args.train_max_seq_len)
-            (loss / micro_batches).backward()
+            batch = batches.get(settings if micro == 0 else None)
+            # (graphs only with one process: there DistAdam's gradient hooks launch nothing)
+            if self.graphs is None or not self.graphs.run(
+                    batch, ws_short, ws_long, micro_batches,
+                    lambda inputs, targets, cu_seqlens, divisor:
+                        self.forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor)):
+                self.forward_backward(*batch, ws_short, ws_long, micro_batches)
         optimizer_step(step, self.model, self.adam, self.muon)
+
+    def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor):
+        """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward."""
+        loss = self.model(inputs, targets, cu_seqlens, ws_short, ws_long, self.args.train_max_seq_len)
+        (loss / divisor).backward()
 
     def set_schedules(self, step: int):
         lr = get_lr(step, self.args)
@@ -3160,6 +3277,9 @@ class Trainer:
             self.warm_up_times.append((f"train batch {stage.batch_size} window {stage.ws_long}", seconds))
             self.console(f"warm-up: train steps for batch {stage.batch_size}, window {stage.ws_long}: {seconds:.1f}s "
                          f"({compiled_graph_count()} graphs compiled so far)")
+        if self.graphs is not None:
+            self.log(f"CUDA graphs: {self.graphs.captures} training micro-batches captured (a stage's first micro-batch "
+                     f"runs eagerly, its second is captured), memory pool {CudaGraph.pool_bytes() / 2**30:.2f} GiB")
         if self.adam.should_sync:
             self.adam.step()  # an odd number of warm-up steps leaves reduce-scatters in flight
         self.model.zero_grad(set_to_none=True)
@@ -3410,6 +3530,7 @@ class Runtime:
     quack_plans: bool = False         # QUACK_PLANS: quack's MLP GEMMs through its prepared plans
     trunk_graphs: int = 1             # compiled graphs the trunk is split into (GPT.trunk_bounds)
     parallel_compile: bool = False    # compile workers were started for the jobs beyond this process's first
+    cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)
 
     @property
     def master(self) -> bool:
@@ -3427,6 +3548,7 @@ class Runtime:
                 f'mlp_kernel={self.mlp_kernel} fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
                 f'fa4_launch_replay={int(self.fa4_launch_replay)} quack_plans={int(self.quack_plans)} '
                 f'trunk_graphs={self.trunk_graphs} parallel_compile={int(self.parallel_compile)} '
+                f'cuda_graphs={int(self.cuda_graphs)} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
@@ -3475,6 +3597,17 @@ def resolve_trunk_graphs(args: Hyperparameters, device: str, env=os.environ) -> 
     return args.trunk_graphs or (PARALLEL_TRUNK_GRAPHS if parallel_compile_configured(args, device, env) else 1)
 
 
+def resolve_cuda_graphs(args: Hyperparameters, device: str, world_size: int, use_compile: bool) -> bool:
+    if args.cuda_graphs == "on":
+        if device != "cuda":
+            raise ConfigError("--cuda-graphs on needs a CUDA GPU: use --cuda-graphs auto or off")
+        if world_size > 1:
+            raise ConfigError("--cuda-graphs on works with one training process only (DistAdam's reduce-scatters "
+                              "start inside the backward, which a graph cannot replay): use --cuda-graphs auto or off")
+        return True
+    return args.cuda_graphs == "auto" and device == "cuda" and world_size == 1 and use_compile
+
+
 def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: bool = False) -> Runtime:
     """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read.
     parallel_compile: whether compile workers were started (decided earlier: see wants_parallel_compile)."""
@@ -3496,7 +3629,8 @@ def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: boo
                    fused_qk_norm_rope=args.fused_qk_norm_rope and backend == "fa4" and triton is not None,
                    fa4_launch_replay=args.fa4_launch_replay and backend == "fa4",
                    quack_plans=args.quack_plans and mlp_kernel == "quack",
-                   trunk_graphs=resolve_trunk_graphs(args, device, env), parallel_compile=parallel_compile)
+                   trunk_graphs=resolve_trunk_graphs(args, device, env), parallel_compile=parallel_compile,
+                   cuda_graphs=resolve_cuda_graphs(args, device, world_size, use_compile))
     startup_mark("kernel libraries")  # resolving the backends imports FlashAttention-4's and quack's CuTe DSL
     return rt
 
@@ -3601,7 +3735,8 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path, workers: "
         torch.manual_seed(args.seed)
     model, adam, muon = build_model_and_optimizers(args, rt)
     startup_mark("model and optimizers")
-    return Trainer(args, rt, model, adam, muon, train_files, val_file, log, workers)
+    graphs = MicroBatchGraphs(model) if rt.cuda_graphs else None
+    return Trainer(args, rt, model, adam, muon, train_files, val_file, log, workers, graphs)
 
 
 # A bundle of everything compiled for this script, to skip compilation on a fresh machine: PyTorch's portable cache

@@ -22,6 +22,7 @@ MFU counts 6 x (matmul parameters) FLOPs per token (attention's T^2 term exclude
 against the bf16 dense matmul peak measured here on a 8192^3 GEMM.
 """
 import argparse
+import copy
 import dataclasses
 import datetime
 import gc
@@ -219,9 +220,56 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
                          mfu_vs_798=mfu(bs / (ms / 1000), n_params, REFERENCE_PEAK_TFLOPS * 1e12),
                          peak_allocated_gib=torch.cuda.max_memory_allocated() / 2 ** 30,
                          peak_reserved_gib=torch.cuda.max_memory_reserved() / 2 ** 30,
+                         # the graphs' pool: their temporaries, in use during replays but not in the allocated count
+                         graph_pool_gib=tg.CudaGraph.pool_bytes() / 2 ** 30 if trainer.graphs is not None else 0.0,
                          reference_ms=REFERENCE_H100_MS.get(stage_no)))
         print(f"{name}: {ms:.1f} ms/step (median of {len(times)}; host enqueue {host_ms:.1f} ms)", flush=True)
     return rows
+
+
+def check_cuda_graphs(trainer, args, steps_per_stage: int = 3) -> dict:
+    """The same training steps (steps_per_stage per stage, from the same weights and batches) with the micro-batches
+    replayed as CUDA graphs and run eagerly: every parameter compared bit for bit. Restores the weights after."""
+    if trainer.graphs is None:
+        return dict(skipped="--cuda-graphs is off")
+    model, graphs = trainer.model, trainer.graphs
+    initial = copy.deepcopy(dict(model=model.state_dict(), opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
+
+    def restore():
+        model.load_state_dict(initial["model"])
+        for opt, state in zip((trainer.adam, trainer.muon), initial["opts"]):
+            opt.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
+        model.yarn.reset()
+
+    def train(with_graphs):
+        restore()
+        trainer.graphs = graphs if with_graphs else None
+        previous_long, step = args.ws_schedule[0], 0
+        for stage in tg.stages(args):
+            if stage.ws_long != previous_long:
+                model.yarn.apply(previous_long, stage.ws_long)
+                previous_long = stage.ws_long
+            batches = trainer.new_batches(stage.batch_size)
+            for _ in range(steps_per_stage):
+                trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, trainer.rt.grad_accum_steps)
+                step += 1
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in model.parameters()]
+
+    replays = graphs.replays
+    try:
+        with tg.no_compiles_allowed():
+            graphed = train(True)
+            replayed = graphs.replays - replays
+            eager = train(False)
+    finally:
+        trainer.graphs = graphs
+        restore()
+    diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(graphed, eager)]
+    return dict(steps_per_stage=steps_per_stage, micro_batches_replayed=replayed, captures=graphs.captures,
+                identical=all(torch.equal(a, b) for a, b in zip(graphed, eager)), max_abs_diff=max(diffs),
+                params=len(diffs))
 
 
 def measure_optimizers(trainer, args, repeats: int = 20) -> dict:
@@ -354,6 +402,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-stages", default="",
                     help="comma-separated stage numbers (1-4): profile one step of each after its timing, written "
                          "to <out>_profile_stage<N>.txt (works with --stages-only)")
+    ap.add_argument("--check-graphs", action="store_true",
+                    help="after the timings, train a few steps per stage with and without the CUDA graphs and "
+                         "compare the weights bit for bit (also with --stages-only)")
     ap.add_argument("train_flags", nargs="*", metavar="-- TRAIN_FLAGS",
                     help="train_gpt.py flags for an A/B, after `--` (e.g. -- --attn-backend varlen --fp8 off)")
     a = ap.parse_args(argv)
@@ -416,6 +467,9 @@ def main(argv=None) -> int:
     result["stages"] = measure_stages(trainer, args, a.steps, n_params, peak, profile_stages,
                                       out.with_name(out.stem + "_profile"))
     result["stage_profiles"] = [f"{out.stem}_profile_stage{n}.txt" for n in profile_stages]
+    if a.check_graphs:
+        result["cuda_graphs_check"] = check_cuda_graphs(trainer, args)
+        print(f"CUDA graphs check: {result['cuda_graphs_check']}", flush=True)
     result["host_syncs_in_a_stage3_step"] = count_host_syncs(trainer, args)
     out.write_text(json.dumps(result, indent=1))  # partial results survive a later failure
     if not a.stages_only:

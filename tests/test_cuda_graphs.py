@@ -1,0 +1,122 @@
+"""--cuda-graphs: each training micro-batch replayed as one graph. Real CUDA graphs need a GPU (bench/bench.py
+--check-graphs trains with and without them there and compares the weights bit for bit); here a stand-in graph that
+reruns the captured function on the graph's own tensors pins down everything around it: which micro-batch runs
+eagerly, which is captured and which replayed, the graph's copies of the batch, its gradient buffers, the loss's
+divisor and the keys."""
+import copy
+
+import pytest
+import torch
+
+import train_gpt as tg
+from proxy_shards import build_shards
+
+
+class RerunGraph:
+    """Stands in for CudaGraph: capture runs the function once (as CudaGraph's eager run before its capture does) and
+    keeps it; replay runs it again, on whatever its captured tensors hold then."""
+
+    def capture(self, fn):
+        fn()
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("graphs")
+    build_shards(folder / "data", train_shards=1, tokens_per_train_shard=80_000, val_tokens=10_000)
+    args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0",
+                          "--train-bs-schedule", "512,1024,1536", "--train-bs-extension", "1536",
+                          "--train-max-seq-len", "128",
+                          "--data-path", str(folder / "data"), "--log-dir", str(folder / "logs")])
+    rt = tg.resolve_runtime(args, env={})
+    return tg.build_trainer(args, rt, folder / "logs" / "graphs.txt")
+
+
+def train_steps(trainer, graphs, steps_per_stage: int = 1) -> list:
+    """steps_per_stage training steps of every stage from the trainer's current weights; the weights after."""
+    trainer.graphs = graphs
+    args, model = trainer.args, trainer.model
+    previous_long, step = args.ws_schedule[0], 0
+    for stage in tg.stages(args):
+        if stage.ws_long != previous_long:
+            model.yarn.apply(previous_long, stage.ws_long)
+            previous_long = stage.ws_long
+        batches = trainer.new_batches(stage.batch_size)
+        for _ in range(steps_per_stage):
+            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, trainer.rt.grad_accum_steps)
+            step += 1
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def from_the_start(trainer, initial):
+    trainer.model.load_state_dict(initial["model"])
+    for opt, state in zip((trainer.adam, trainer.muon), initial["opts"]):
+        opt.load_state_dict(state)
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.model.yarn.reset()
+
+
+def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(trainer):
+    initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
+                                 opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
+    eager = train_steps(trainer, None)
+    from_the_start(trainer, initial)
+    graphs = tg.MicroBatchGraphs(trainer.model, new_graph=RerunGraph)
+    graphed = train_steps(trainer, graphs)
+    from_the_start(trainer, initial)
+    assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
+    assert any(not torch.equal(a, b) for a, b in zip(graphed, initial["model"].values()))  # it did train
+    micro_batches = trainer.rt.grad_accum_steps * len(tg.stages(trainer.args))
+    # one key per stage: its first micro-batch eager, its second captured, the rest replayed
+    assert graphs.captures == len(tg.stages(trainer.args)) == len(graphs.graphs)
+    assert graphs.replays == micro_batches - 2 * graphs.captures
+
+
+def test_a_stage_gets_a_new_graph_when_its_windows_or_softmax_scale_change(trainer):
+    graphs = tg.MicroBatchGraphs(trainer.model, new_graph=RerunGraph)
+    batch = (torch.zeros(128, dtype=torch.int32), torch.zeros(128, dtype=torch.int64),
+             torch.zeros(4, dtype=torch.int32))
+    base = graphs.key(batch, 1, 3)
+    assert graphs.key(batch, 1, 3) == base
+    assert graphs.key(batch, 2, 3) != base and graphs.key(batch, 1, 4) != base
+    assert graphs.key(batch[:1] + (torch.zeros(256, dtype=torch.int64),) + batch[2:], 1, 3) != base
+    trainer.model.yarn.apply(3, 7)  # YaRN raises the softmax scale, a host value frozen into a captured graph
+    try:
+        assert graphs.key(batch, 1, 3) != base
+    finally:
+        trainer.model.yarn.reset()
+
+
+def test_gradients_set_to_none_come_back_zeroed_and_eager_ones_are_copied_into_the_buffers(trainer):
+    model = trainer.model
+    graphs = tg.MicroBatchGraphs(model, new_graph=RerunGraph)
+    try:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 2.0)
+        graphs.attach_grads()
+        buffers = [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        first, second = list(model.parameters())[:2]
+        second.grad = torch.full_like(second, 3.0)  # as an eager backward leaves it
+        graphs.attach_grads()
+        assert all(p.grad is b for p, b in zip(model.parameters(), buffers))
+        assert torch.count_nonzero(first.grad) == 0
+        assert torch.equal(second.grad, torch.full_like(second, 3.0))
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+def test_cuda_graphs_resolve_on_only_for_one_cuda_process_and_refuse_impossible_requests():
+    args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off"])
+    assert tg.resolve_runtime(args, env={}).cuda_graphs is False  # auto on the CPU
+    assert tg.resolve_cuda_graphs(tg.parse_args([]), "cuda", 1, True) is True
+    assert tg.resolve_cuda_graphs(tg.parse_args([]), "cuda", 8, True) is False
+    assert tg.resolve_cuda_graphs(tg.parse_args(["--cuda-graphs", "off"]), "cuda", 1, True) is False
+    with pytest.raises(tg.ConfigError, match="needs a CUDA GPU"):
+        tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--cuda-graphs", "on"]), env={})
+    with pytest.raises(tg.ConfigError, match="one training process only"):
+        tg.resolve_cuda_graphs(tg.parse_args(["--cuda-graphs", "on"]), "cuda", 2, True)
