@@ -3207,6 +3207,12 @@ class Trainer:
 
     def train_step(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
                    micro_batches: int):
+        self.accumulate_gradients(step, batches, settings, ws_short, ws_long, micro_batches)
+        optimizer_step(step, self.model, self.adam, self.muon)
+
+    def accumulate_gradients(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
+                             micro_batches: int):
+        """A step's micro-batches, forward and backward, their gradients summed into .grad (no optimizer step)."""
         for micro in range(micro_batches):
             if step % 2 == 1 and micro == micro_batches - 1:
                 self.adam.should_sync = True  # the post-accumulate hooks launch Adam's reduce-scatters
@@ -3217,7 +3223,6 @@ class Trainer:
                     lambda inputs, targets, cu_seqlens, divisor:
                         self.forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor)):
                 self.forward_backward(*batch, ws_short, ws_long, micro_batches)
-        optimizer_step(step, self.model, self.adam, self.muon)
 
     def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor):
         """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward."""
@@ -3278,6 +3283,7 @@ class Trainer:
             self.console(f"warm-up: train steps for batch {stage.batch_size}, window {stage.ws_long}: {seconds:.1f}s "
                          f"({compiled_graph_count()} graphs compiled so far)")
         if self.graphs is not None:
+            torch.cuda.empty_cache()  # the eager micro-batches' cached blocks: the graphs' pool replaces them
             self.log(f"CUDA graphs: {self.graphs.captures} training micro-batches captured (a stage's first micro-batch "
                      f"runs eagerly, its second is captured), memory pool {CudaGraph.pool_bytes() / 2**30:.2f} GiB")
         if self.adam.should_sync:
