@@ -3018,6 +3018,7 @@ class MicroBatchGraphs:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grads = None        # the gradient tensors every graph accumulates into
         self.divisor = None      # 0-D float32 on the device: micro-batches per step
+        self.loss = None         # 0-D float32 on the device: the last replayed micro-batch's loss
         self.divisor_value = None
         self.graphs = {}         # key -> (graph, static copies of the batch tensors)
         self.seen = set()
@@ -3045,7 +3046,8 @@ class MicroBatchGraphs:
 
     def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward) -> bool:
         """forward_backward(inputs, targets, cu_seqlens, divisor): one micro-batch's forward and backward of
-        loss / divisor. False: this micro-batch is for the caller to run eagerly (its key's first)."""
+        loss / divisor, returning the loss (which a graph writes into self.loss). False: this micro-batch is for the
+        caller to run eagerly (its key's first)."""
         key = self.key(batch, ws_short, ws_long)
         entry = self.graphs.get(key)
         if entry is None and key not in self.seen:
@@ -3054,13 +3056,14 @@ class MicroBatchGraphs:
         self.attach_grads()
         if self.divisor is None:
             self.divisor = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+            self.loss = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
         if micro_batches != self.divisor_value:
             self.divisor.fill_(micro_batches)
             self.divisor_value = micro_batches
         if entry is None:
             static = tuple(t.clone() for t in batch)
             graph = self.new_graph()
-            graph.capture(lambda: forward_backward(*static, self.divisor))
+            graph.capture(lambda: self.loss.copy_(forward_backward(*static, self.divisor)))
             self.graphs[key] = (graph, static)
             self.captures += 1
             return True
@@ -3211,23 +3214,30 @@ class Trainer:
         optimizer_step(step, self.model, self.adam, self.muon)
 
     def accumulate_gradients(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
-                             micro_batches: int):
-        """A step's micro-batches, forward and backward, their gradients summed into .grad (no optimizer step)."""
+                             micro_batches: int, losses: list = None):
+        """A step's micro-batches, forward and backward, their gradients summed into .grad (no optimizer step).
+        losses: a list that gets each micro-batch's summed loss (0-D tensors on the device), or None."""
         for micro in range(micro_batches):
             if step % 2 == 1 and micro == micro_batches - 1:
                 self.adam.should_sync = True  # the post-accumulate hooks launch Adam's reduce-scatters
             batch = batches.get(settings if micro == 0 else None)
             # (graphs only with one process: there DistAdam's gradient hooks launch nothing)
-            if self.graphs is None or not self.graphs.run(
+            if self.graphs is not None and self.graphs.run(
                     batch, ws_short, ws_long, micro_batches,
                     lambda inputs, targets, cu_seqlens, divisor:
                         self.forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor)):
-                self.forward_backward(*batch, ws_short, ws_long, micro_batches)
+                loss = self.graphs.loss
+            else:
+                loss = self.forward_backward(*batch, ws_short, ws_long, micro_batches)
+            if losses is not None:
+                losses.append(loss.clone())
 
-    def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor):
-        """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward."""
+    def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor) -> Tensor:
+        """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward. Returns
+        the loss, detached."""
         loss = self.model(inputs, targets, cu_seqlens, ws_short, ws_long, self.args.train_max_seq_len)
         (loss / divisor).backward()
+        return loss.detach()
 
     def set_schedules(self, step: int):
         lr = get_lr(step, self.args)

@@ -230,9 +230,11 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
 
 
 def check_cuda_graphs(trainer, args) -> dict:
-    """Per stage, one step's gradients (all its micro-batches, no optimizer step) from the same weights and batches:
-    replayed as CUDA graphs against eager, and eager against eager again, which is the floor: FlashAttention-4's
-    backward sums dQ with atomic adds, so two eager runs need not agree bit for bit either."""
+    """Per stage, one step (all its micro-batches, no optimizer step) from the same weights and batches, twice eagerly
+    and twice replayed as CUDA graphs: each micro-batch's loss, and the step's gradients. The forward is
+    deterministic, so the losses must agree bit for bit; FlashAttention-4's backward sums dQ with atomic adds (in
+    an order that depends on timing), so the gradients of two runs differ even without graphs: graphs against eager
+    should differ no more than eager against eager, or graphs against graphs."""
     if trainer.graphs is None:
         return dict(skipped="--cuda-graphs is off")
     model, graphs = trainer.model, trainer.graphs
@@ -250,21 +252,27 @@ def check_cuda_graphs(trainer, args) -> dict:
                 if stage.ws_long != previous_long:
                     model.yarn.apply(previous_long, stage.ws_long)
                     previous_long = stage.ws_long
-                grads = {}
-                for name, with_graphs in (("eager", False), ("graphs", True), ("eager_again", False)):
-                    trainer.graphs = graphs if with_graphs else None
+                grads, losses = {}, {}
+                for name in ("eager", "graphs", "eager_again", "graphs_again"):
+                    trainer.graphs = graphs if name.startswith("graphs") else None
                     model.zero_grad(set_to_none=True)
+                    losses[name] = []
                     trainer.accumulate_gradients(0, trainer.new_batches(stage.batch_size), None, stage.ws_short,
-                                                 stage.ws_long, trainer.rt.grad_accum_steps)
+                                                 stage.ws_long, trainer.rt.grad_accum_steps, losses[name])
                     grads[name] = [p.grad.detach().float().clone() for p in model.parameters()]
-                rows.append(dict(stage=stage.name, graphs_vs_eager=differences(grads["graphs"], grads["eager"]),
-                                 eager_vs_eager=differences(grads["eager_again"], grads["eager"])))
+                    losses[name] = [x.float() for x in losses[name]]
+                rows.append(dict(stage=stage.name,
+                                 losses_graphs_vs_eager=differences(losses["graphs"], losses["eager"]),
+                                 losses_eager_vs_eager=differences(losses["eager_again"], losses["eager"]),
+                                 grads_graphs_vs_eager=differences(grads["graphs"], grads["eager"]),
+                                 grads_eager_vs_eager=differences(grads["eager_again"], grads["eager"]),
+                                 grads_graphs_vs_graphs=differences(grads["graphs_again"], grads["graphs"])))
     finally:
         trainer.graphs = graphs
         model.zero_grad(set_to_none=True)
         model.yarn.reset()
-    return dict(what="one step's gradients per stage, same weights and batches", captures=graphs.captures,
-                stages=rows)
+    return dict(what="one step per stage from the same weights and batches: each micro-batch's loss and the "
+                     "step's gradients", captures=graphs.captures, stages=rows)
 
 
 def measure_optimizers(trainer, args, repeats: int = 20) -> dict:

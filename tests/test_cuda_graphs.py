@@ -36,20 +36,23 @@ def trainer(tmp_path_factory):
     return tg.build_trainer(args, rt, folder / "logs" / "graphs.txt")
 
 
-def train_steps(trainer, graphs, steps_per_stage: int = 1) -> list:
-    """steps_per_stage training steps of every stage from the trainer's current weights; the weights after."""
+def train_steps(trainer, graphs, steps_per_stage: int = 1) -> tuple[list, list]:
+    """steps_per_stage training steps of every stage from the trainer's current weights: the weights after, and
+    every micro-batch's loss."""
     trainer.graphs = graphs
     args, model = trainer.args, trainer.model
-    previous_long, step = args.ws_schedule[0], 0
+    previous_long, step, losses = args.ws_schedule[0], 0, []
     for stage in tg.stages(args):
         if stage.ws_long != previous_long:
             model.yarn.apply(previous_long, stage.ws_long)
             previous_long = stage.ws_long
         batches = trainer.new_batches(stage.batch_size)
         for _ in range(steps_per_stage):
-            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, trainer.rt.grad_accum_steps)
+            trainer.accumulate_gradients(step, batches, None, stage.ws_short, stage.ws_long,
+                                         trainer.rt.grad_accum_steps, losses)
+            tg.optimizer_step(step, model, trainer.adam, trainer.muon)
             step += 1
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], losses
 
 
 def from_the_start(trainer, initial):
@@ -63,12 +66,13 @@ def from_the_start(trainer, initial):
 def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(trainer):
     initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
                                  opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
-    eager = train_steps(trainer, None)
+    eager, eager_losses = train_steps(trainer, None)
     from_the_start(trainer, initial)
     graphs = tg.MicroBatchGraphs(trainer.model, new_graph=RerunGraph)
-    graphed = train_steps(trainer, graphs)
+    graphed, graphed_losses = train_steps(trainer, graphs)
     from_the_start(trainer, initial)
     assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
+    assert all(torch.equal(a, b) for a, b in zip(graphed_losses, eager_losses))
     assert any(not torch.equal(a, b) for a, b in zip(graphed, initial["model"].values()))  # it did train
     micro_batches = trainer.rt.grad_accum_steps * len(tg.stages(trainer.args))
     # one key per stage: its first micro-batch eager, its second captured, the rest replayed
