@@ -3936,7 +3936,7 @@ def compile_jobs(trunk_graphs: int, world_size: int) -> list:
 # its graphs in the caches. (A change anywhere else only means that the helpers run again.)
 GRAPH_NEUTRAL_SETTINGS = ("run_id", "seed", "log_dir", "save_checkpoint", "profile_step", "compile_cache", "data_path",
                           "train_files", "val_files", "train_epochs", "val_loss_every", "check", "check_flags",
-                          "num_scheduled_iterations", "num_extension_iterations", "parallel_compile")
+                          "num_scheduled_iterations", "num_extension_iterations", "parallel_compile", "cuda_graphs")
 
 
 def compiled_marker(args: Hyperparameters, world_size: int, trunk_graphs: int) -> Path:

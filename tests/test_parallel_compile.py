@@ -107,7 +107,8 @@ def test_marker_changes_with_what_shapes_a_graph_not_with_seeds_logs_or_schedule
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     base = tg.compiled_marker(tg.parse_args([]), 1, 3)
     for same in (["--seed", "5"], ["--run-id", "x", "--log-dir", "elsewhere"], ["--num-scheduled-iterations", "90"],
-                 ["--data-path", "data/proxy", "--train-epochs", "20"], ["--parallel-compile", "on"]):
+                 ["--data-path", "data/proxy", "--train-epochs", "20"], ["--parallel-compile", "on"],
+                 ["--cuda-graphs", "off"]):
         assert tg.compiled_marker(tg.parse_args(same), 1, 3) == base, same
     for other in (["--fp8", "off"], ["--val-batch-size", "524288"], ["--mlp-kernel", "inductor"]):
         assert tg.compiled_marker(tg.parse_args(other), 1, 3) != base, other
