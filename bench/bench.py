@@ -211,6 +211,7 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
                 profile_path = Path(f"{profile_stem}_stage{stage_no}.txt")
                 profile_path.write_text(profiled(one_step, f"bench: a stage-{stage_no} step ({name}), world size 1"))
         times = [w for w, _ in walls_hosts]
+        allocated_gib = torch.cuda.max_memory_allocated() / 2 ** 30
         pool_gib = tg.CudaGraph.pool_bytes() / 2 ** 30 if trainer.graphs is not None else 0.0
         ms = statistics.median(times)
         host_ms = statistics.median(h for _, h in walls_hosts)
@@ -219,11 +220,11 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
                          host_ms=host_ms,
                          tokens_per_s=bs / (ms / 1000), mfu=mfu(bs / (ms / 1000), n_params, peak),
                          mfu_vs_798=mfu(bs / (ms / 1000), n_params, REFERENCE_PEAK_TFLOPS * 1e12),
-                         peak_allocated_gib=torch.cuda.max_memory_allocated() / 2 ** 30,
+                         peak_allocated_gib=allocated_gib,
                          peak_reserved_gib=torch.cuda.max_memory_reserved() / 2 ** 30,
                          # the graphs' pool: their temporaries, in use during replays but not in the allocated count
                          graph_pool_gib=pool_gib,
-                         peak_in_use_gib=torch.cuda.max_memory_allocated() / 2 ** 30 + pool_gib,
+                         peak_in_use_gib=allocated_gib + pool_gib,
                          reference_ms=REFERENCE_H100_MS.get(stage_no)))
         print(f"{name}: {ms:.1f} ms/step (median of {len(times)}; host enqueue {host_ms:.1f} ms)", flush=True)
     return rows
