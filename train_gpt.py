@@ -43,6 +43,7 @@ import gc
 import getpass
 import glob
 import math
+import re
 import subprocess
 import sys
 import sysconfig
@@ -3490,10 +3491,39 @@ def summarize_profile(prof, title: str) -> str:
     for n, a, b in kernels:
         c, t = totals.get(n, (0, 0.0))
         totals[n] = (c + 1, t + b - a)
+    kinds = {}
+    for n, (c, t) in totals.items():
+        k = kernel_kind(n)
+        kc, kt = kinds.get(k, (0, 0.0))
+        kinds[k] = (kc + c, kt + t)
+    out += ["", "GPU time by kind of kernel: total_ms  calls  kind"]
+    for k, (c, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+        out.append(f"  {t:9.2f} {c:6d}  {k}")
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
     out += ["", "top kernels by GPU time: total_ms  calls  name"]
-    for n, (c, t) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:25]:
+    for n, (c, t) in ranked[:TOP_KERNELS]:
         out.append(f"  {t:9.2f} {c:6d}  {n[:100]}")
+    if len(ranked) > TOP_KERNELS:
+        rest = ranked[TOP_KERNELS:]
+        out.append(f"  {sum(t for _, (_, t) in rest):9.2f} {sum(c for _, (c, _) in rest):6d}  "
+                   f"({len(rest)} other kernels)")
     return "\n".join(out) + "\n"
+
+
+TOP_KERNELS = 60
+
+# Which library or compiler a kernel came from, by its name (first match wins).
+KERNEL_KINDS = (("nccl", "NCCL collectives"), ("flash", "FlashAttention"), ("quack", "quack GEMMs"),
+                ("nvjet|gemm|xmma|cutlass", "cuBLAS/CUTLASS GEMMs"), ("^triton_", "Inductor's Triton kernels"),
+                ("^_", "our Triton kernels"), ("memcpy|memset", "copies and fills"),
+                ("at::native|^void at::", "ATen kernels"))
+
+
+def kernel_kind(name: str) -> str:
+    for pattern, kind in KERNEL_KINDS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return kind
+    return "other"
 
 
 def replicas_identical(model: nn.Module) -> bool:

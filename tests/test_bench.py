@@ -157,3 +157,16 @@ def test_host_time_by_op_ranks_the_ops_that_cost_the_cpu_most():
     body = text.split("\n", 1)[1]
     assert "aten::mm" in body and "aten::relu" in body
     assert body.index("aten::mm") < body.index("aten::relu")  # five 256^3 matmuls cost more than one relu
+
+
+def test_profile_summary_totals_gpu_time_by_kind_of_kernel():
+    """Two cuBLAS GEMMs (3 ms), an FA4 kernel (2 ms), an Inductor kernel and one of ours: one line per kind."""
+    events = [_FakeEvent("nvjet_sm90_tst_192x192", 0, 1000, True), _FakeEvent("nvjet_sm90_tst_256x128", 1000, 3000, True),
+              _FakeEvent("kernel_cutlass_kernel_flash_attncuteflash_bwd", 3000, 5000, True),
+              _FakeEvent("triton_red_fused__fused_rms_norm_add", 5000, 5500, True),
+              _FakeEvent("_softcap_ce_backward_kernel", 5500, 6000, True)]
+    prof = type("P", (), dict(events=lambda self: events))()
+    kinds = tg.summarize_profile(prof, "fake").split("GPU time by kind of kernel")[1].split("\n\n")[0]
+    assert "3.00      2  cuBLAS/CUTLASS GEMMs" in kinds and "2.00      1  FlashAttention" in kinds
+    assert "0.50      1  Inductor's Triton kernels" in kinds and "0.50      1  our Triton kernels" in kinds
+    assert kinds.index("cuBLAS") < kinds.index("FlashAttention") < kinds.index("Inductor")
