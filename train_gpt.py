@@ -328,18 +328,43 @@ def _scale_tensor(value: float, like: Tensor) -> Tensor:
 
 @torch.library.custom_op("speedrun::fp8_mm", mutates_args=())
 def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    """out = x @ w.T with both operands in e4m3; returns (out bf16, x_f8, w_f8) for the backward."""
-    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
-    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    """out = x @ w.T with both operands in e4m3; returns (out bf16, x_f8_t, w_f8_t): the quantised operands
+    transposed (contiguous), the layouts the backward's two GEMMs read."""
+    x_f8, x_f8_t = quantize_e4m3(x, x_s)
+    w_f8, w_f8_t = quantize_e4m3(w, w_s)
     out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, scale_a=_scale_tensor(x_s, x),
                            scale_b=_scale_tensor(w_s, x), use_fast_accum=True)
-    return out, x_f8, w_f8
+    return out, x_f8_t, w_f8_t
 
 
 @fp8_mm.register_fake
 def _(x, w, x_s, w_s, grad_s):
     return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
-            torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn))
+            x.new_empty((x.size(1), x.size(0)), dtype=torch.float8_e4m3fn),
+            w.new_empty((w.size(1), w.size(0)), dtype=torch.float8_e4m3fn))
+
+
+def quantize_e4m3(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """e4m3(x / scale) rounded as x.div(scale).to(e4m3) rounds it on a GPU (times the fp32 reciprocal, rounded to
+    x's dtype, then to e4m3), in both layouts: (M, N) and its contiguous (N, M) transpose. One Triton pass reads x
+    once; PyTorch needs a division, a cast and a strided copy, each a pass of its own."""
+    assert x.dim() == 2
+    if not _kernels_usable(x):
+        return quantize_e4m3_reference(x, scale)
+    M, N = x.shape
+    x = x.contiguous()
+    q = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device)
+    q_t = torch.empty((N, M), dtype=torch.float8_e4m3fn, device=x.device)
+    block = 128  # 128-byte rows of the 1-byte outputs: full memory transactions in both layouts
+    _quantize_transpose_kernel[(triton.cdiv(M, block), triton.cdiv(N, block))](
+        x, q, q_t, M, N, float(np.float32(1) / np.float32(scale)), BLOCK=block, num_warps=8)
+    return q, q_t
+
+
+def quantize_e4m3_reference(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """quantize_e4m3 in PyTorch ops (the CPU path)."""
+    q = (x * (np.float32(1) / np.float32(scale)).item()).to(torch.float8_e4m3fn)
+    return q, q.t().contiguous()
 
 
 @torch.library.custom_op("speedrun::fp8_mm_backward", mutates_args=())
@@ -353,10 +378,12 @@ def fp8_mm_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_
 def _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
     grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16,
                               scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(w_s, g_f8), use_fast_accum=False)
-    # dW computed as (768 x vocab) then transposed: faster for this shape (the record does the same).
-    grad_w = torch._scaled_mm(x_f8_t, g_f8_t.T, out_dtype=torch.float32,
-                              scale_a=_scale_tensor(x_s, g_f8), scale_b=_scale_tensor(grad_s, g_f8),
-                              use_fast_accum=False).T
+    # dW in the weight's own layout and dtype, (vocab, 768) bf16. The record computes (768, vocab) in fp32 and
+    # returns its transpose, which autograd then casts to bf16 and adds into the gradient with strided passes
+    # over 38.6M elements; the GEMM alone is as fast either way round.
+    grad_w = torch._scaled_mm(g_f8_t, x_f8_t.T, out_dtype=torch.bfloat16,
+                              scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(x_s, g_f8),
+                              use_fast_accum=False)
     return grad_x, grad_w
 
 
@@ -379,21 +406,20 @@ def _(g_f8, x_f8_t, w_f8_t, x_s, w_s, grad_s):
 
 
 def _fp8_grads_fake(g_f8, x_f8_t, w_f8_t):
-    # grad_w is the transpose of a contiguous (768, vocab) result: same strides as the real kernel's output.
     return (g_f8.new_empty((g_f8.size(0), w_f8_t.size(0)), dtype=torch.bfloat16),
-            g_f8.new_empty((x_f8_t.size(0), g_f8.size(1)), dtype=torch.float32).T)
+            g_f8.new_empty((g_f8.size(1), x_f8_t.size(0)), dtype=torch.bfloat16))
 
 
 def _fp8_mm_setup_context(ctx, inputs, output):
     _, _, x_s, w_s, grad_s = inputs
-    _, x_f8, w_f8 = output
-    ctx.save_for_backward(x_f8, w_f8)
+    _, x_f8_t, w_f8_t = output
+    ctx.save_for_backward(x_f8_t, w_f8_t)
     ctx.scales = (x_s, w_s, grad_s)
     ctx.set_materialize_grads(False)
 
 
 def _fp8_mm_backward_rule(ctx, grad_out, *_):
-    x_f8, w_f8 = ctx.saved_tensors
+    x_f8_t, w_f8_t = ctx.saved_tensors
     x_s, w_s, grad_s = ctx.scales
     # Quantise here, outside the opaque op: this rule is traced into the compiled backward graph, so Inductor
     # fuses the e5m2 cast into the kernel that produces grad_out (the softcap/cross-entropy backward). Done
@@ -401,8 +427,7 @@ def _fp8_mm_backward_rule(ctx, grad_out, *_):
     # The gradient's transpose stays inside the op (transpose_bytes), on 1-byte data.
     # (.float(): one rounding, fp32 -> e5m2, the same in eager and compiled mode; free once fused)
     g_f8 = quantize_e5m2(grad_out, grad_s)
-    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(g_f8, x_f8.t().contiguous(), w_f8.t().contiguous(),
-                                                        x_s, w_s, grad_s)
+    grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward(g_f8, x_f8_t, w_f8_t, x_s, w_s, grad_s)
     return grad_x, grad_w, None, None, None
 
 
@@ -527,22 +552,22 @@ class FP8LMHeadCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, tile: tuple, fast_math: bool,
                 fused_forward: bool) -> Tensor:
-        logits, x_f8, w_f8 = torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
+        logits, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
         if fused_forward:
             loss, lse = torch.ops.speedrun.softcap_ce_forward(logits, targets, fast_math)
         else:
             loss, lse = softcap_ce_forward(logits, targets)
-        ctx.save_for_backward(logits, targets, lse, x_f8, w_f8)
+        ctx.save_for_backward(logits, targets, lse, x_f8_t, w_f8_t)
         ctx.tile, ctx.fast_math = list(tile), fast_math
         return loss
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        logits, targets, lse, x_f8, w_f8 = ctx.saved_tensors
+        logits, targets, lse, x_f8_t, w_f8_t = ctx.saved_tensors
         g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, ctx.tile,
                                                               ctx.fast_math)
         grad_x, grad_w = torch.ops.speedrun.fp8_mm_backward_pretransposed(
-            g_f8, g_f8_t, x_f8.t().contiguous(), w_f8.t().contiguous(), FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
+            g_f8, g_f8_t, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
         return grad_x, grad_w, None, None, None, None
 
 
@@ -581,6 +606,20 @@ if triton is not None:
         tile = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask)
         tl.store(Y + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
 
+
+    @triton.jit
+    def _quantize_transpose_kernel(X, Q, QT, M, N, inv_scale, BLOCK: tl.constexpr):
+        # Q (M, N) = e4m3(x · inv_scale) and QT (N, M) its transpose, from one read of a BLOCK x BLOCK tile of X.
+        # The product is rounded to X's dtype before e4m3, as PyTorch's x.div(scale).to(e4m3) rounds it.
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = (pid_m * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        cols = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        q = (x.to(tl.float32) * inv_scale).to(X.dtype.element_ty).to(Q.dtype.element_ty)
+        tl.store(Q + rows[:, None] * N + cols[None, :], q, mask=mask)
+        tl.store(QT + cols[:, None] * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
 
     @triton.jit
     def _tanh_approx(y, PTX: tl.constexpr):

@@ -3,6 +3,7 @@
 torch's CPU build implements _scaled_mm for e4m3/e5m2, so the op's real kernels run here too."""
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,9 +89,10 @@ def test_fp8_fake_kernels_report_the_real_shapes_and_strides(shape):
     t, v, d = shape
     x = torch.randn(t, d).bfloat16()
     w = (torch.randn(v, d) * 0.02).bfloat16()
-    out, x_f8, w_f8 = torch.ops.speedrun.fp8_mm(x, w, tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
+    out, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_mm(x, w, tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
+    assert x_f8_t.shape == (d, t) and w_f8_t.shape == (d, v) and x_f8_t.is_contiguous() and w_f8_t.is_contiguous()
     g_f8 = (torch.randn(t, v) * 0.01 / tg.FP8_GRAD_SCALE).to(torch.float8_e5m2)
-    args = (g_f8, x_f8.t().contiguous(), w_f8.t().contiguous(), tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
+    args = (g_f8, x_f8_t, w_f8_t, tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
     real = torch.ops.speedrun.fp8_mm_backward(*args)
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
@@ -100,8 +102,41 @@ def test_fp8_fake_kernels_report_the_real_shapes_and_strides(shape):
                                              tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
     for r, f in zip(real, fake):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
-    for r, f in zip((out, x_f8, w_f8), fake_fwd):
+    for r, f in zip((out, x_f8_t, w_f8_t), fake_fwd):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+    # dW comes out in the weight's own layout and dtype: autograd adds it to the gradient without a cast or a
+    # strided pass
+    assert real[1].shape == (v, d) and real[1].is_contiguous() and real[1].dtype == torch.bfloat16
+
+
+def test_fp8_weight_gradient_equals_the_records_transposed_fp32_product_after_rounding():
+    """dW = (gᵀ x) computed as (vocab, 768) in bf16 against the record's (768, vocab) fp32 product, transposed and
+    rounded to bf16 (what autograd did with it): the same products summed, one rounding."""
+    x, w, grad = _inputs(3)
+    _, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_mm(x, w, tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
+    g_f8 = tg.quantize_e5m2(grad, tg.FP8_GRAD_SCALE)
+    _, grad_w = torch.ops.speedrun.fp8_mm_backward(g_f8, x_f8_t, w_f8_t, tg.FP8_X_SCALE, tg.FP8_W_SCALE,
+                                                   tg.FP8_GRAD_SCALE)
+    scales = dict(scale_a=torch.tensor(tg.FP8_X_SCALE), scale_b=torch.tensor(tg.FP8_GRAD_SCALE))
+    record = torch._scaled_mm(x_f8_t, g_f8.t().contiguous().T, out_dtype=torch.float32, **scales).T.to(torch.bfloat16)
+    assert grad_w.dtype == record.dtype and grad_w.shape == record.shape
+    # the GEMM may sum in another order: a bf16 rounding of a value a few fp32 ulps away, at most one bf16 step
+    ulp = 2.0 ** (torch.floor(torch.log2(record.float().abs().clamp_min(1e-30))) - 7)
+    assert ((grad_w.float() - record.float()).abs() <= ulp).all()
+    assert (grad_w != record).float().mean() < 0.01
+
+
+def test_fp8_operands_are_the_scaled_inputs_rounded_once_to_e4m3():
+    """The CPU path of quantize_e4m3 (what the Triton pass computes): x times the fp32 reciprocal of the scale,
+    rounded to x's dtype, then to e4m3; the second output is the first transposed."""
+    x, w, _ = _inputs(4)
+    for t, scale in ((x.detach(), tg.FP8_X_SCALE), (w.detach(), tg.FP8_W_SCALE)):
+        q, q_t = tg.quantize_e4m3(t, scale)
+        inv = float(np.float32(1) / np.float32(scale))
+        expected = (t.float() * inv).bfloat16().to(torch.float8_e4m3fn)
+        assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
+        assert q_t.is_contiguous() and torch.equal(q_t.view(torch.uint8), expected.t().contiguous().view(torch.uint8))
+        assert (q.float() - t.float() / scale).abs().max() <= 0.07 * (t.float() / scale).abs().max()
 
 
 TRANSPOSE_SCRIPT = """
@@ -124,6 +159,39 @@ def test_transpose_bytes_kernel_matches_torch_on_fp8_and_ragged_shapes():
     for row in rows:
         assert row["equal"] and row["contiguous"], row
         assert row["out_shape"] == row["shape"][::-1] and row["dtype"] == "torch.float8_e5m2"
+
+
+QUANTIZE_SCRIPT = """
+import json, torch, train_gpt as tg
+assert tg._TRITON_INTERPRET
+out = []
+e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+e4m3 = e4m3[e4m3.isfinite()]
+for dtype in (torch.float32, torch.float16):
+    for shape in [(128, 256), (200, 130), (1, 7), (129, 1), (300, 257)]:
+        g = torch.Generator().manual_seed(len(out))
+        q_ref = e4m3[torch.randint(0, e4m3.numel(), shape, generator=g)]
+        x = (q_ref * 2.0 ** -9).to(dtype)  # a power-of-two scale: every input is exactly an e4m3 value times it
+        q, q_t = tg.quantize_e4m3(x, 2.0 ** -9)
+        ref = q_ref.to(torch.float8_e4m3fn).view(torch.uint8)
+        out.append(dict(shape=list(shape), dtype=str(dtype), q_dtype=str(q.dtype), q_t_shape=list(q_t.shape),
+                        contiguous=q.is_contiguous() and q_t.is_contiguous(),
+                        q_equal=torch.equal(q.view(torch.uint8), ref),
+                        q_t_equal=torch.equal(q_t.view(torch.uint8), ref.t().contiguous())))
+print(json.dumps(out))
+"""
+
+
+def test_quantize_transpose_kernel_writes_both_layouts_of_the_scaled_input():
+    """The Triton pass in the interpreter, fp32 and fp16 inputs (bf16 is unreliable there): tiles, masks, the
+    scale and the transposed store. The inputs are exact e4m3 values times the scale, because the interpreter's own
+    fp8 conversion loses the carry when a value rounds up into the next power of two; rounding itself is checked
+    against PyTorch's cast on the GPU (tests/gpu)."""
+    rows = run_in_triton_interpreter(QUANTIZE_SCRIPT)
+    assert len(rows) == 10
+    for row in rows:
+        assert row["q_equal"] and row["q_t_equal"] and row["contiguous"], row
+        assert row["q_t_shape"] == row["shape"][::-1] and row["q_dtype"] == "torch.float8_e4m3fn"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -281,6 +349,7 @@ def test_ce_fast_math_is_on_by_default_and_the_flag_reaches_the_fused_kernel(mon
         out_t.zero_()
     monkeypatch.setattr(tg, "launch_softcap_ce_backward", fake_launch)
     monkeypatch.setattr(tg, "_kernels_usable", lambda t: True)
+    monkeypatch.setattr(tg, "quantize_e4m3", tg.quantize_e4m3_reference)  # no GPU for the operands' Triton pass
     default, off = tg.parse_args([]), tg.parse_args(["--ce-fast-math", "false"])
     x, w, targets = _head_inputs(7)
     for fast in (default.ce_fast_math, off.ce_fast_math):
@@ -341,6 +410,7 @@ def test_fused_ce_forward_is_on_by_default_and_the_flag_reaches_the_op(monkeypat
         per_token.copy_(ref_lse - z_t)
     monkeypatch.setattr(tg, "launch_softcap_ce_forward", fake_launch)
     monkeypatch.setattr(tg, "_kernels_usable", lambda t: t.dtype != torch.uint8)  # the e5m2 transpose stays in torch
+    monkeypatch.setattr(tg, "quantize_e4m3", tg.quantize_e4m3_reference)  # and so does the operands' quantisation
 
     def reference_backward(logits, lse, targets, grad, out, out_t, grad_s, round_bf16, fp8, tile=None, fast_math=False):
         g, g_t = tg.softcap_ce_backward_reference(logits, lse, targets, grad, grad_s)

@@ -3,7 +3,9 @@
     python3 -m pytest -m gpu tests/gpu               # on a CUDA machine (~1-2 minutes); skipped without CUDA
     SPEEDRUN_GPU_JSON=out.json python3 -m pytest -m gpu tests/gpu   # also write the numbers (tests/gpu/conftest.py)
 
-  * FP8 lm_head op (forward, dX, dW) vs a float32 matmul, eager and compiled
+  * FP8 lm_head op (forward, dX, dW) vs a float32 matmul, eager and compiled; its operands' one-pass e4m3
+    quantisation (both layouts) vs PyTorch's division and cast, byte for byte; dW in the weight's layout vs the
+    record's transposed fp32 product, and the time of each
   * the fused FP8 head (one Triton pass writing both e5m2 gradient layouts) vs the unfused path, and its e5m2
     gradient byte by byte vs the same formula in PyTorch ops
   * attention backends (PyTorch's FA2 varlen kernels behind our op, FA3 / FA4 when installed) vs the plain-PyTorch
@@ -51,6 +53,8 @@ from train_gpt import (  # noqa: E402
     norm,
     pack_cu_seqlens,
     polar_express,
+    quantize_e4m3,
+    quantize_e5m2,
     resolve_attention_backend,
     resolve_mlp_kernel,
     softcap_ce_backward,
@@ -137,6 +141,63 @@ def test_fp8_lm_head_matches_float32_matmul_eager_and_compiled(gpu_results):
     assert r["dx_rel_err"] < 0.09 and r["dw_rel_err"] < 0.09, r  # e5m2 gradient: measured 0.059
     assert w.grad.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
     assert r["compiled_matches_eager"], (compiled_total, total)  # the fake kernels trace under fullgraph
+
+
+def test_fp8_operand_quantisation_matches_torchs_division_and_cast(gpu_results):
+    """quantize_e4m3's Triton pass (one read of x, both e4m3 layouts) against x.div(scale).to(e4m3) and its
+    .t().contiguous(), byte for byte, on a stage-3 micro-batch's activations and on the lm_head weight."""
+    torch.manual_seed(0)
+    cases = dict(x=(norm(torch.randn(49152, 768, device="cuda")).bfloat16(), FP8_X_SCALE),
+                 w=((torch.randn(50304, 768, device="cuda") * 0.05).bfloat16(), FP8_W_SCALE))
+    for name, (t, scale) in cases.items():
+        q, q_t = quantize_e4m3(t, scale)
+        ref = t.div(scale).to(torch.float8_e4m3fn)
+        r = gpu_results[f"fp8_quantize_{name}"] = dict(
+            shape=list(t.shape), bytes_differing=int((q.view(torch.uint8) != ref.view(torch.uint8)).sum()),
+            transpose_bytes_differing=int((q_t.view(torch.uint8) != ref.t().contiguous().view(torch.uint8)).sum()),
+            ms_triton=time_ms(lambda: quantize_e4m3(t, scale)),
+            ms_torch=time_ms(lambda: t.div(scale).to(torch.float8_e4m3fn).t().contiguous()))
+        assert r["bytes_differing"] == 0 and r["transpose_bytes_differing"] == 0, r
+
+
+def test_fp8_weight_gradient_in_the_weights_layout_matches_the_records_product(gpu_results):
+    """dW as (vocab, 768) bf16 straight from the GEMM against the record's (768, vocab) fp32 product transposed and
+    cast to bf16 (what autograd then did with it): at most one bf16 step apart; the time of each way including
+    the addition into an existing bf16 gradient (a second micro-batch)."""
+    torch.manual_seed(0)
+    T, d, V = 49152, 768, 50304
+    x = norm(torch.randn(T, d, device="cuda")).bfloat16()
+    w = (torch.randn(V, d, device="cuda") * 0.05).bfloat16()
+    g = (torch.randn(T, V, device="cuda") * 1e-4).bfloat16()
+    _, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
+    g_f8 = quantize_e5m2(g, FP8_GRAD_SCALE)
+    g_f8_t = g_f8.t().contiguous()
+    scale_x, scale_g = (torch.tensor(s, device="cuda") for s in (FP8_X_SCALE, FP8_GRAD_SCALE))
+
+    def ours():
+        return torch._scaled_mm(g_f8_t, x_f8_t.T, out_dtype=torch.bfloat16, scale_a=scale_g, scale_b=scale_x)
+
+    def records():
+        return torch._scaled_mm(x_f8_t, g_f8_t.T, out_dtype=torch.float32, scale_a=scale_x, scale_b=scale_g).T
+
+    new = torch.ops.speedrun.fp8_mm_backward(g_f8, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[1]
+    old = records().to(torch.bfloat16)
+    ulp = 2.0 ** (torch.floor(torch.log2(old.float().abs().clamp_min(1e-30))) - 7)
+    acc = torch.zeros(V, d, device="cuda", dtype=torch.bfloat16)
+
+    def accumulate(fn):
+        def step():
+            acc.add_(fn().to(torch.bfloat16))
+        return step
+    r = gpu_results["fp8_weight_gradient"] = dict(
+        shape=[T, d, V], contiguous=new.is_contiguous(), dtype=str(new.dtype),
+        share_differing=(new != old).double().mean().item(),
+        max_diff_in_bf16_steps=((new.float() - old.float()).abs() / ulp).max().item(),
+        equals_the_gemm_alone=bool(torch.equal(new, ours())),
+        ms_gemm_ours=time_ms(ours), ms_gemm_records=time_ms(records),
+        ms_with_accumulation_ours=time_ms(accumulate(ours)), ms_with_accumulation_records=time_ms(accumulate(records)))
+    assert r["contiguous"] and r["dtype"] == "torch.bfloat16" and r["equals_the_gemm_alone"], r
+    assert r["max_diff_in_bf16_steps"] <= 1.0 and r["share_differing"] < 0.01, r
 
 
 def head_inputs(T: int = 16384, d: int = 768, V: int = 50304) -> tuple:
