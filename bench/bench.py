@@ -22,7 +22,6 @@ MFU counts 6 x (matmul parameters) FLOPs per token (attention's T^2 term exclude
 against the bf16 dense matmul peak measured here on a 8192^3 GEMM.
 """
 import argparse
-import copy
 import dataclasses
 import datetime
 import gc

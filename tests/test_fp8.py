@@ -1,7 +1,6 @@
 """FP8 lm_head custom op: numerics against fp32, and the backward's quantisation being traced.
 
 torch's CPU build implements _scaled_mm for e4m3/e5m2, so the op's real kernels run here too."""
-from pathlib import Path
 
 import numpy as np
 import pytest
