@@ -156,9 +156,6 @@ class Hyperparameters:
     fa4_launch_replay: bool = setting(True, "with FlashAttention-4: after the first call of each shape, launch its "
                                              "compiled kernels directly (same kernels, same arguments), skipping "
                                              "its Python interface's per-call planning")
-    sorted_embedding_backward: bool = setting(False, "embedding gradients by PyTorch's sort-based CUDA kernel (each "
-                                                     "row summed in fp32, written once in bf16) instead of Inductor's "
-                                                     "fp32 scatter, cast and add over the whole table")
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
     cuda_graphs: str = setting("auto", "replay each training micro-batch (forward and backward) as one CUDA graph, "
                                        "captured in the warm-up per batch size and window; auto: on with one CUDA "
@@ -2180,46 +2177,6 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
-# Embedding gradients. Inductor rewrites an embedding's backward as fp32 atomic adds into a zeroed (vocab, d)
-# buffer and a cast to bf16: two passes over the whole table per table and micro-batch, whatever the number of
-# tokens. PyTorch's own CUDA kernel sorts the token ids, sums each row's gradients in fp32 and writes the bf16
-# table once; behind an opaque op Inductor leaves it alone (--sorted-embedding-backward).
-
-@torch.library.custom_op("speedrun::embedding_backward", mutates_args=())
-def embedding_backward(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
-    """d weight of F.embedding(ids, weight) from the output's gradient (T, d): each row's sum in fp32, one rounding
-    to grad's dtype."""
-    if grad.is_cuda:
-        return torch.ops.aten.embedding_dense_backward(grad, ids, num_rows, -1, False)
-    # PyTorch's CPU kernel adds in the gradient's dtype; sum in fp32 as the CUDA kernel does
-    summed = torch.zeros((num_rows, grad.size(-1)), dtype=torch.float32, device=grad.device)
-    return summed.index_add_(0, ids, grad.float()).to(grad.dtype)
-
-
-@embedding_backward.register_fake
-def _(grad, ids, num_rows):
-    return grad.new_empty((num_rows, grad.size(-1)))
-
-
-class SortedEmbedding(torch.autograd.Function):
-    """F.embedding whose backward is embedding_backward (the forward's gather stays visible to Inductor)."""
-
-    @staticmethod
-    def forward(ctx, ids: Tensor, weight: Tensor) -> Tensor:
-        ctx.save_for_backward(ids)
-        ctx.num_rows = weight.size(0)
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        ids, = ctx.saved_tensors
-        return None, torch.ops.speedrun.embedding_backward(grad.contiguous(), ids, ctx.num_rows)
-
-
-def embedding_lookup(table: nn.Embedding, ids: Tensor, sorted_backward: bool) -> Tensor:
-    return SortedEmbedding.apply(ids, table.weight) if sorted_backward else table(ids)
-
-
 def tag(p: nn.Parameter, label: str, lr_mul: float = 1.0) -> nn.Parameter:
     """Attach the optimizer metadata (grouping label, per-parameter lr multiplier)."""
     p.label, p.lr_mul = label, lr_mul
@@ -2535,7 +2492,6 @@ class GPT(nn.Module):
         self.qkv_attn_fn = attention_fa4_qkv if fused_qk_norm_rope else None
         self.static_attention_params = attn_backend in ATTENTION_STATIC_PARAMS
         self.dynamic_seq_len = dynamic_seq_len
-        self.sorted_embedding_backward = args.sorted_embedding_backward
         self.trunk_bounds = trunk_bounds(L, trunk_graphs)
         self._trunk = self._head = None  # compiled regions, set by compile_regions()
         self.compiled_jobs = None  # None: every compiled region runs compiled; a set: only these jobs (the rest eager)
@@ -2595,8 +2551,8 @@ class GPT(nn.Module):
         smear_lambda, backout_lambda = self.scalars[5 * L], self.scalars[5 * L + 1]
 
         if carry is None:
-            ve = tuple(embedding_lookup(emb, input_seq, self.sorted_embedding_backward) for emb in self.value_embeds)
-            x = embedding_lookup(self.embed, input_seq, self.sorted_embedding_backward)
+            ve = tuple(emb(input_seq) for emb in self.value_embeds)
+            x = self.embed(input_seq)
             # Smear: mix a gated copy of the previous token's embedding into each position (1-token look-back).
             gate = smear_lambda * torch.sigmoid(F.linear(x[1:, :12], self.smear_gate.weight))
             x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
@@ -3585,7 +3541,7 @@ def summarize_profile(prof, title: str) -> str:
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
     out += ["", "top kernels by GPU time: total_ms  calls  name"]
     for n, (c, t) in ranked[:TOP_KERNELS]:
-        out.append(f"  {t:9.2f} {c:6d}  {n[:100]}")
+        out.append(f"  {t:9.2f} {c:6d}  {short_kernel_name(n)[:120]}")
     if len(ranked) > TOP_KERNELS:
         rest = ranked[TOP_KERNELS:]
         out.append(f"  {sum(t for _, (_, t) in rest):9.2f} {sum(c for _, (c, _) in rest):6d}  "
@@ -3600,6 +3556,13 @@ KERNEL_KINDS = (("nccl", "NCCL collectives"), ("flash", "FlashAttention"), ("qua
                 ("nvjet|gemm|xmma|cutlass", "cuBLAS/CUTLASS GEMMs"), ("^triton_", "Inductor's Triton kernels"),
                 ("^_", "our Triton kernels"), ("memcpy|memset", "copies and fills"),
                 ("at::native|^void at::", "ATen kernels"))
+
+
+def short_kernel_name(name: str) -> str:
+    """A kernel's name without the namespaces that hide which operation an ATen kernel runs."""
+    for noise in ("void ", "at::native::", "(anonymous namespace)::", "at_cuda_detail::", "c10::"):
+        name = name.replace(noise, "")
+    return name
 
 
 def kernel_kind(name: str) -> str:
@@ -3677,7 +3640,7 @@ class Runtime:
                 f'mlp_kernel={self.mlp_kernel} fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
                 f'fa4_launch_replay={int(self.fa4_launch_replay)} quack_plans={int(self.quack_plans)} '
                 f'trunk_graphs={self.trunk_graphs} parallel_compile={int(self.parallel_compile)} '
-                f'cuda_graphs={int(self.cuda_graphs)} sorted_embedding_backward={int(args.sorted_embedding_backward)} '
+                f'cuda_graphs={int(self.cuda_graphs)} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')

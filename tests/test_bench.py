@@ -170,3 +170,12 @@ def test_profile_summary_totals_gpu_time_by_kind_of_kernel():
     assert "3.00      2  cuBLAS/CUTLASS GEMMs" in kinds and "2.00      1  FlashAttention" in kinds
     assert "0.50      1  Inductor's Triton kernels" in kinds and "0.50      1  our Triton kernels" in kinds
     assert kinds.index("cuBLAS") < kinds.index("FlashAttention") < kinds.index("Inductor")
+
+
+def test_profile_summary_names_the_operation_of_an_aten_kernel():
+    """ATen's templated kernel names start with namespaces; the list keeps the part that says what the kernel does."""
+    name = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+            "CUDAFunctorOnSelf_add<float> >(at::TensorIteratorBase&, at::native::CUDAFunctorOnSelf_add<float> const&)")
+    prof = type("P", (), dict(events=lambda self: [_FakeEvent(name, 0, 1000, True)]))()
+    top = tg.summarize_profile(prof, "fake").split("top kernels by GPU time")[1]
+    assert "elementwise_kernel<128, 4, gpu_kernel_impl_nocast<CUDAFunctorOnSelf_add<float> >" in top

@@ -403,52 +403,6 @@ def test_compiled_regions_compute_the_same_loss_and_grads_as_eager():
         assert torch.equal(p.grad, q.grad), name
 
 
-def test_sorted_embedding_backward_sums_each_rows_gradients_in_fp32_and_rounds_once():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 40, (600,), generator=g).to(torch.int32)  # 600 tokens on 40 of 64 rows: many repeats
-    grad = torch.randn(600, 48, generator=g).bfloat16()
-    out = torch.ops.speedrun.embedding_backward(grad, ids, 64)
-    exact = torch.zeros(64, 48, dtype=torch.float64).index_add_(0, ids.long(), grad.double())
-    assert out.dtype == torch.bfloat16 and out.shape == (64, 48)
-    assert torch.equal(out[40:], torch.zeros(24, 48, dtype=torch.bfloat16))  # rows no token used
-    ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
-    assert ((out.double() - exact).abs() <= 0.51 * ulp).all()  # fp32 sums, one rounding: within half a bf16 step
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_sorted_embedding_backward_changes_only_the_embedding_gradients_and_those_within_rounding(compiled):
-    """--sorted-embedding-backward against the plain embedding: the same loss and, except the four embedding tables,
-    bit-identical gradients; the tables' gradients agree to a bf16 step (eager PyTorch on the CPU adds them in
-    bf16, Inductor and the sorted kernel in fp32). Compiled, the autograd.Function traces into one graph."""
-    args = SMOKE.__class__(**{**SMOKE.__dict__, "sorted_embedding_backward": True})
-    plain, ours = make_model(seed=5, max_seq_len=128), make_model(seed=5, max_seq_len=128, args=args)
-    head = torch.randn(plain.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)).mul(0.02)
-    for m in (plain, ours):
-        g = torch.Generator().manual_seed(2)
-        with torch.no_grad():  # non-zero output projections, so every table (the value embeddings too) gets a gradient
-            m.lm_head.weight.copy_(head.bfloat16())
-            for block in m.blocks:
-                if block.attn is not None:
-                    block.attn.qkvo_w[3 * block.attn.dim:].copy_(torch.randn(block.attn.dim, block.attn.dim,
-                                                                             generator=g) * 0.05)
-        m.attn_fn = _value_passthrough_attention
-    if compiled:
-        ours.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
-    inputs, targets, cu = random_batch(128, seed=7)
-    losses = [m(inputs, targets, cu, 1, 3, 128) for m in (plain, ours)]
-    for loss in losses:
-        loss.backward()
-    torch._dynamo.reset()
-    assert torch.equal(losses[0], losses[1])
-    tables = {"embed.weight", *(f"value_embeds.{i}.weight" for i in range(3))}
-    for (name, p), q in zip(plain.named_parameters(), ours.parameters()):
-        if name in tables:
-            assert (p.grad.float() - q.grad.float()).abs().max() <= 2.0 ** -7 * p.grad.float().abs().max(), name
-            assert q.grad.abs().sum() > 0, name
-        else:
-            assert torch.equal(p.grad, q.grad), name
-
-
 def test_no_compiles_allowed_raises_on_a_new_graph_and_lets_warmed_ones_run():
     f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False, fullgraph=True)
     f(torch.ones(4))  # "warm-up"

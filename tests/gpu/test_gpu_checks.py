@@ -8,7 +8,6 @@
     record's transposed fp32 product, and the time of each
   * the fused FP8 head (one Triton pass writing both e5m2 gradient layouts) vs the unfused path, and its e5m2
     gradient byte by byte vs the same formula in PyTorch ops
-  * --sorted-embedding-backward's op vs Inductor's embedding backward, both against float64, and their times
   * attention backends (PyTorch's FA2 varlen kernels behind our op, FA3 / FA4 when installed) vs the plain-PyTorch
     reference, forward and backward; FA2 vs torch's public varlen_attn (same kernels: same bits)
   * FA4 vs FA2 on one stage-3 micro-batch, with both speeds recorded
@@ -44,7 +43,6 @@ from train_gpt import (  # noqa: E402
     FP8_W_SCALE,
     FP8_X_SCALE,
     ConfigError,
-    SortedEmbedding,
     Hyperparameters,
     Yarn,
     attention_fa4_qkv,
@@ -202,39 +200,6 @@ def test_fp8_weight_gradient_in_the_weights_layout_matches_the_records_product(g
         ms_with_accumulation_ours=time_ms(accumulate(ours)), ms_with_accumulation_records=time_ms(accumulate(records)))
     assert r["contiguous"] and r["dtype"] == "torch.bfloat16" and r["equals_the_gemm_alone"], r
     assert r["max_diff_in_bf16_steps"] <= 1.0 and r["share_differing"] < 0.01, r
-
-
-def test_sorted_embedding_backward_matches_inductors(gpu_results):
-    """--sorted-embedding-backward's op (PyTorch's sort-based kernel) against Inductor's compile of the plain
-    embedding's backward, on a stage-3 micro-batch's token ids (real-text-like repeats: Zipf-distributed ids), with
-    the time of each: one table's gradient from the (T, 768) output gradient."""
-    torch.manual_seed(0)
-    T, d, V = 49152, 768, 50304
-    ranks = torch.distributions.Pareto(torch.tensor(1.0), torch.tensor(1.1)).sample((T,)).long() - 1
-    ids = ranks.clamp_max(V - 1).to(torch.int32).cuda()
-    weight = torch.randn(V, d, device="cuda").bfloat16().requires_grad_()
-    grad = torch.randn(T, d, device="cuda").bfloat16()
-    inductor = torch.compile(lambda i, w: torch.nn.functional.embedding(i, w), fullgraph=True, dynamic=False)
-    sorted_op = torch.compile(lambda i, w: SortedEmbedding.apply(i, w), fullgraph=True, dynamic=False)
-    out = {}
-    for name, fn in (("inductor", inductor), ("sorted", sorted_op)):
-        fn(ids, weight).backward(grad)
-        out[name] = weight.grad
-        weight.grad = None
-
-        def step():
-            weight.grad = None
-            fn(ids, weight).backward(grad)
-        out[f"ms_{name}"] = time_ms(step)
-    exact = torch.zeros(V, d, dtype=torch.float64, device="cuda").index_add_(0, ids.long(), grad.double())
-    ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
-    r = gpu_results["sorted_embedding_backward"] = dict(
-        shape=[T, d, V], unique_ids=int(ids.unique().numel()),
-        max_err_in_bf16_steps_sorted=((out["sorted"].double() - exact).abs() / ulp).max().item(),
-        max_err_in_bf16_steps_inductor=((out["inductor"].double() - exact).abs() / ulp).max().item(),
-        share_differing=(out["sorted"] != out["inductor"]).double().mean().item(),
-        fwd_bwd_ms_inductor=out["ms_inductor"], fwd_bwd_ms_sorted=out["ms_sorted"])
-    assert r["max_err_in_bf16_steps_sorted"] <= 0.51 and r["max_err_in_bf16_steps_inductor"] <= 0.51, r
 
 
 def head_inputs(T: int = 16384, d: int = 768, V: int = 50304) -> tuple:
