@@ -347,13 +347,22 @@ def host_time_by_op(prof, rows: int = 20) -> str:
     return "host time by op (CPU self time, profiler overhead included):\n" + table
 
 
+def gpu_time_by_op_and_shape(prof, rows: int = 25) -> str:
+    """The ops whose own kernels took the GPU longest, one row per (op, input shapes): ties an eager kernel of the
+    kernel list (an ATen addition or copy) to the operation and tensors that launched it."""
+    table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=rows,
+                                                               max_name_column_width=40, max_shapes_column_width=70)
+    return "GPU time by op and input shapes (self CUDA time):\n" + table
+
+
 def profiled(step, title: str) -> str:
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
-    return tg.summarize_profile(prof, title) + "\n" + host_time_by_op(prof)
+    return (tg.summarize_profile(prof, title) + "\n" + host_time_by_op(prof) + "\n"
+            + gpu_time_by_op_and_shape(prof))
 
 
 def measure_profile(trainer, args, out_path: Path) -> str:

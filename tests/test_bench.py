@@ -179,3 +179,13 @@ def test_profile_summary_names_the_operation_of_an_aten_kernel():
     prof = type("P", (), dict(events=lambda self: [_FakeEvent(name, 0, 1000, True)]))()
     top = tg.summarize_profile(prof, "fake").split("top kernels by GPU time")[1]
     assert "elementwise_kernel<128, 4, gpu_kernel_impl_nocast<CUDAFunctorOnSelf_add<float> >" in top
+
+
+def test_profile_lists_ops_by_their_input_shapes():
+    """The shapes table ties an op to the tensors it ran on (here a transpose copy of a 64 x 32 tensor)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        torch.randn(64, 32).t().contiguous()
+    text = bench.gpu_time_by_op_and_shape(prof)
+    assert text.startswith("GPU time by op and input shapes")
+    assert any("aten::transpose" in line and "[64, 32]" in line for line in text.splitlines())
