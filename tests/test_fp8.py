@@ -57,7 +57,7 @@ def test_fp8_backward_gets_quantised_transposed_operands_from_the_traced_graph()
     torch._dynamo.reset()
     bw = graphs["bw"].graph
     calls = [n for n in bw.nodes if n.op == "call_function"]
-    op_calls = [n for n in calls if "fp8_mm_backward" in str(n.target)]
+    op_calls = [n for n in calls if "fp8_matmul_backward" in str(n.target)]
     assert len(op_calls) == 1
     e5m2_casts = [n for n in calls if n.kwargs.get("dtype") == torch.float8_e5m2
                   or torch.float8_e5m2 in n.args[1:]]
@@ -88,16 +88,16 @@ def test_fp8_fake_kernels_report_the_real_shapes_and_strides(shape):
     t, v, d = shape
     x = torch.randn(t, d).bfloat16()
     w = (torch.randn(v, d) * 0.02).bfloat16()
-    out, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_mm(x, w, tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
+    out, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_matmul(x, w, tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
     assert x_f8_t.shape == (d, t) and w_f8_t.shape == (d, v) and x_f8_t.is_contiguous() and w_f8_t.is_contiguous()
     g_f8 = (torch.randn(t, v) * 0.01 / tg.FP8_GRAD_SCALE).to(torch.float8_e5m2)
     args = (g_f8, x_f8_t, w_f8_t, tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
-    real = torch.ops.speedrun.fp8_mm_backward(*args)
+    real = torch.ops.speedrun.fp8_matmul_backward(*args)
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        fake = torch.ops.speedrun.fp8_mm_backward(*fake_args)
-        fake_fwd = torch.ops.speedrun.fp8_mm(mode.from_tensor(x), mode.from_tensor(w), tg.FP8_X_SCALE,
+        fake = torch.ops.speedrun.fp8_matmul_backward(*fake_args)
+        fake_fwd = torch.ops.speedrun.fp8_matmul(mode.from_tensor(x), mode.from_tensor(w), tg.FP8_X_SCALE,
                                              tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
     for r, f in zip(real, fake):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
@@ -112,9 +112,9 @@ def test_fp8_weight_gradient_equals_the_records_transposed_fp32_product_after_ro
     """dW = (gᵀ x) computed as (vocab, 768) in bf16 against the record's (768, vocab) fp32 product, transposed and
     rounded to bf16 (what autograd did with it): the same products summed, one rounding."""
     x, w, grad = _inputs(3)
-    _, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_mm(x, w, tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
+    _, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_matmul(x, w, tg.FP8_X_SCALE, tg.FP8_W_SCALE, tg.FP8_GRAD_SCALE)
     g_f8 = tg.quantize_e5m2(grad, tg.FP8_GRAD_SCALE)
-    _, grad_w = torch.ops.speedrun.fp8_mm_backward(g_f8, x_f8_t, w_f8_t, tg.FP8_X_SCALE, tg.FP8_W_SCALE,
+    _, grad_w = torch.ops.speedrun.fp8_matmul_backward(g_f8, x_f8_t, w_f8_t, tg.FP8_X_SCALE, tg.FP8_W_SCALE,
                                                    tg.FP8_GRAD_SCALE)
     scales = dict(scale_a=torch.tensor(tg.FP8_X_SCALE), scale_b=torch.tensor(tg.FP8_GRAD_SCALE))
     record = torch._scaled_mm(x_f8_t, g_f8.t().contiguous().T, out_dtype=torch.float32, **scales).T.to(torch.bfloat16)

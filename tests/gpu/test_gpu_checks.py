@@ -173,7 +173,7 @@ def test_fp8_weight_gradient_in_the_weights_layout_matches_the_records_product(g
     x = norm(torch.randn(T, d, device="cuda")).bfloat16()
     w = (torch.randn(V, d, device="cuda") * 0.05).bfloat16()
     g = (torch.randn(T, V, device="cuda") * 1e-4).bfloat16()
-    _, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_mm(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
+    _, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_matmul(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
     g_f8 = quantize_e5m2(g, FP8_GRAD_SCALE)
     g_f8_t = g_f8.t().contiguous()
     scale_x, scale_g = (torch.tensor(s, device="cuda") for s in (FP8_X_SCALE, FP8_GRAD_SCALE))
@@ -184,7 +184,7 @@ def test_fp8_weight_gradient_in_the_weights_layout_matches_the_records_product(g
     def records():
         return torch._scaled_mm(x_f8_t, g_f8_t.T, out_dtype=torch.float32, scale_a=scale_x, scale_b=scale_g).T
 
-    new = torch.ops.speedrun.fp8_mm_backward(g_f8, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[1]
+    new = torch.ops.speedrun.fp8_matmul_backward(g_f8, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[1]
     old = records().to(torch.bfloat16)
     ulp = 2.0 ** (torch.floor(torch.log2(old.float().abs().clamp_min(1e-30))) - 7)
     acc = torch.zeros(V, d, device="cuda", dtype=torch.bfloat16)
