@@ -379,25 +379,39 @@ def test_compiled_regions_give_lm_head_its_own_backward_graph_that_runs_before_t
     assert all(p.grad is not None for p in trunk_params)
 
 
-def model_pair(seed, max_seq_len, head_seed, attn_fn):
-    """Two identical models (an eager one and one to compile) with a non-zero lm_head, so gradients flow."""
-    pair = make_model(seed=seed, max_seq_len=max_seq_len), make_model(seed=seed, max_seq_len=max_seq_len)
+def model_pair(seed, max_seq_len, head_seed, attn_fn, second_args=SMOKE, output_projections=False):
+    """Two identical models (an eager one and one to compile, or one with `second_args`) with a non-zero lm_head,
+    so gradients flow; output_projections: non-zero attention output projections too, so the value embeddings
+    get gradients."""
+    pair = make_model(seed=seed, max_seq_len=max_seq_len), make_model(seed=seed, max_seq_len=max_seq_len,
+                                                                     args=second_args)
     head = torch.randn(pair[0].lm_head.weight.shape, generator=torch.Generator().manual_seed(head_seed)).mul(0.02)
     for m in pair:
+        g = torch.Generator().manual_seed(head_seed + 1)
         with torch.no_grad():
             m.lm_head.weight.copy_(head.bfloat16())
+            for block in m.blocks if output_projections else ():
+                if block.attn is not None:
+                    d = block.attn.dim
+                    block.attn.qkvo_w[3 * d:].copy_(torch.randn(d, d, generator=g) * 0.05)
         m.attn_fn = attn_fn
     return pair
+
+
+def pair_losses(pair, T=128, seed=7):
+    """Both models' training losses on one random batch, backward done (gradients in .grad)."""
+    inputs, targets, cu = random_batch(T, seed=seed)
+    losses = [m(inputs, targets, cu, 1, 3, T) for m in pair]
+    for loss in losses:
+        loss.backward()
+    torch._dynamo.reset()
+    return losses
 
 
 def test_compiled_regions_compute_the_same_loss_and_grads_as_eager():
     eager, compiled = model_pair(seed=5, max_seq_len=128, head_seed=1, attn_fn=_value_passthrough_attention)
     compiled.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
-    inputs, targets, cu = random_batch(128, seed=7)
-    losses = [m(inputs, targets, cu, 1, 3, 128) for m in (eager, compiled)]
-    for loss in losses:
-        loss.backward()
-    torch._dynamo.reset()
+    losses = pair_losses((eager, compiled))
     assert torch.equal(losses[0], losses[1])
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.equal(p.grad, q.grad), name
@@ -448,24 +462,11 @@ def test_fused_embedding_backward_changes_only_the_embedding_gradients_and_those
     bit-identical gradients; the tables' gradients agree to a bf16 step (eager PyTorch on the CPU adds them in
     bf16, the op in fp32). Compiled, the autograd.Function and the op trace into one graph."""
     args = SMOKE.__class__(**{**SMOKE.__dict__, "fused_embedding_backward": True})
-    plain, ours = make_model(seed=5, max_seq_len=128), make_model(seed=5, max_seq_len=128, args=args)
-    head = torch.randn(plain.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)).mul(0.02)
-    for m in (plain, ours):
-        g = torch.Generator().manual_seed(2)
-        with torch.no_grad():  # non-zero output projections, so every table (the value embeddings too) gets a gradient
-            m.lm_head.weight.copy_(head.bfloat16())
-            for block in m.blocks:
-                if block.attn is not None:
-                    block.attn.qkvo_w[3 * block.attn.dim:].copy_(torch.randn(block.attn.dim, block.attn.dim,
-                                                                             generator=g) * 0.05)
-        m.attn_fn = _value_passthrough_attention
+    plain, ours = model_pair(seed=5, max_seq_len=128, head_seed=1, attn_fn=_value_passthrough_attention,
+                             second_args=args, output_projections=True)
     if compiled:
         ours.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
-    inputs, targets, cu = random_batch(128, seed=7)
-    losses = [m(inputs, targets, cu, 1, 3, 128) for m in (plain, ours)]
-    for loss in losses:
-        loss.backward()
-    torch._dynamo.reset()
+    losses = pair_losses((plain, ours))
     assert torch.equal(losses[0], losses[1])
     tables = {"embed.weight", *(f"value_embeds.{i}.weight" for i in range(3))}
     for (name, p), q in zip(plain.named_parameters(), ours.parameters()):
