@@ -1301,6 +1301,17 @@ if triton is not None:
         tl.store(rstd_out + rows, r, mask=rows < rows_total)
 
     @triton.jit
+    def _add_value_embedding_kernel(qkv, ve, v_out, T, WIDTH: tl.constexpr, ROW_STRIDE: tl.constexpr,
+                                    V_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+        # v_out[t] = qkv[t, V_OFFSET : V_OFFSET + WIDTH] + ve[t], BLOCK_T whole rows per program.
+        tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
+        cols = tl.arange(0, BLOCK_W)[None, :]
+        mask = (tokens < T) & (cols < WIDTH)
+        a = tl.load(qkv + tokens * ROW_STRIDE + V_OFFSET + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(ve + tokens * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(v_out + tokens * WIDTH + cols, (a + b).to(v_out.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _qk_norm_rope_backward_kernel(d_qk, qkv, rstd, cos, sin, d_qkv, rows_total, HEADS2: tl.constexpr,
                                       D: tl.constexpr, ROW_STRIDE: tl.constexpr, BLOCK_R: tl.constexpr):
         # d_qk (T, HEADS2, D): gradient of the rotated rows; writes the raw rows' gradient into d_qkv[token, j].
@@ -1356,6 +1367,25 @@ def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]
     return qk, rstd
 
 
+def add_value_embedding(qkv: Tensor, ve: Tensor) -> Tensor:
+    """qkv's v heads + ve, contiguous (T, H, D). PyTorch adds a strided operand with an unvectorised kernel that
+    computes every element's address; this pass reads whole rows (same bf16 rounding: fp32 sum, one rounding)."""
+    T, heads3, D = qkv.shape
+    heads = heads3 // 3
+    if not _kernels_usable(qkv):
+        return qkv[:, 2 * heads:] + ve
+    assert qkv.is_contiguous() and ve.is_contiguous() and ve.shape == (T, heads, D)
+    v = torch.empty_like(ve)
+    width = heads * D
+    _add_value_embedding_kernel[(triton.cdiv(T, VALUE_EMBEDDING_ROWS),)](
+        qkv, ve, v, T, WIDTH=width, ROW_STRIDE=heads3 * D, V_OFFSET=2 * width, BLOCK_T=VALUE_EMBEDDING_ROWS,
+        BLOCK_W=triton.next_power_of_2(width), num_warps=8)
+    return v
+
+
+VALUE_EMBEDDING_ROWS = 8  # tokens per program of _add_value_embedding_kernel
+
+
 def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, d_qkv: Tensor) -> None:
     """Writes the gradient of qkv's q and k heads, given d_qk (T, 2H, D) of qk_norm_rope's output, into
     d_qkv[:, :2H] (d_qkv has qkv's layout; its v heads are left alone)."""
@@ -1385,7 +1415,7 @@ def fa4_qkv(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens
     read when ve is given (else an empty tensor: v is then a view of qkv), the norm's 1/rms)."""
     heads = qkv.size(1) // 3
     qk, rstd = qk_norm_rope(qkv, cos, sin)
-    v = qkv[:, 2 * heads:] if ve is None else qkv[:, 2 * heads:] + ve
+    v = qkv[:, 2 * heads:] if ve is None else add_value_embedding(qkv, ve)
     out, lse = fa4_forward(qk[:, :heads], qk[:, heads:], v, cu_seqlens, max_seqlen, params, which)
     return out, lse, qk, (v if ve is not None else qkv.new_empty(0)), rstd
 

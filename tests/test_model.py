@@ -1108,3 +1108,29 @@ def test_qk_norm_rope_kernels_match_float64_and_leave_the_v_heads_alone():
     for row in rows:
         assert row["fwd_rel_err"] < 1e-6 and row["rstd_rel_err"] < 1e-6 and row["bwd_rel_err"] < 1e-5, row
         assert row["v_untouched"] and row["qk_all_written"], row
+
+
+VALUE_EMBEDDING_SCRIPT = """
+import json, torch
+import train_gpt as tg
+assert tg._TRITON_INTERPRET
+out = []
+for dtype in (torch.float32, torch.float16):
+    for T, H, D in [(37, 6, 128), (1, 2, 64), (129, 3, 32)]:  # ragged against the 8-token tile; 768, 128, 96 wide
+        g = torch.Generator().manual_seed(T)
+        qkv = torch.randn(T, 3 * H, D, generator=g).to(dtype)
+        ve = torch.randn(T, H, D, generator=g).to(dtype)
+        v = tg.add_value_embedding(qkv, ve)
+        out.append(dict(case=[T, H, D, str(dtype)], equal=torch.equal(v, qkv[:, 2 * H:] + ve),
+                        contiguous=v.is_contiguous(), shape=list(v.shape)))
+print(json.dumps(out))
+"""
+
+
+def test_value_embedding_pass_equals_pytorchs_strided_addition():
+    """The Triton pass adding ve to qkv's v heads (interpreter, fp32 and fp16): bit-identical to PyTorch's addition
+    of the strided view, written contiguous."""
+    rows = run_in_triton_interpreter(VALUE_EMBEDDING_SCRIPT)
+    assert len(rows) == 6
+    for row in rows:
+        assert row["equal"] and row["contiguous"] and row["shape"] == [row["case"][0], row["case"][1], row["case"][2]], row
