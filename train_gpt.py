@@ -1367,6 +1367,9 @@ def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]
     return qk, rstd
 
 
+VALUE_EMBEDDING_ROWS = 8  # tokens per program of _add_value_embedding_kernel
+
+
 def add_value_embedding(qkv: Tensor, ve: Tensor) -> Tensor:
     """qkv's v heads + ve, contiguous (T, H, D). PyTorch adds a strided operand with an unvectorised kernel that
     computes every element's address; this pass reads whole rows (same bf16 rounding: fp32 sum, one rounding)."""
@@ -1381,9 +1384,6 @@ def add_value_embedding(qkv: Tensor, ve: Tensor) -> Tensor:
         qkv, ve, v, T, WIDTH=width, ROW_STRIDE=heads3 * D, V_OFFSET=2 * width, BLOCK_T=VALUE_EMBEDDING_ROWS,
         BLOCK_W=triton.next_power_of_2(width), num_warps=8)
     return v
-
-
-VALUE_EMBEDDING_ROWS = 8  # tokens per program of _add_value_embedding_kernel
 
 
 def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, d_qkv: Tensor) -> None:
@@ -2311,9 +2311,10 @@ if triton is not None:
         done_here = starts & ((ids != last_id) | (next_ids != last_id))
         tl.store(OUT + ids.to(tl.int64)[:, None] * D + cols[None, :], sums.to(OUT.dtype.element_ty),
                  mask=done_here[:, None] & col_ok[None, :])
-        owns_last = tl.sum((starts & (ids == last_id)).to(tl.int32), axis=0) > 0
+        last_start = starts & (ids == last_id)  # the running id's first row, when this tile owns it
+        owns_last = tl.sum(last_start.to(tl.int32), axis=0) > 0
         if owns_last & runs_on:
-            acc = tl.sum(tl.where((starts & (ids == last_id))[:, None], sums, 0.0), axis=0)
+            acc = tl.sum(tl.where(last_start[:, None], sums, 0.0), axis=0)
             cur = lo + TILE
             more = True
             while more:
@@ -2704,9 +2705,9 @@ class GPT(nn.Module):
 
         if carry is None:
             if self.fused_embedding_backward:
-                x, *ve = SharedIdsEmbeddings.apply(input_seq, self.embed.weight,
+                tables = SharedIdsEmbeddings.apply(input_seq, self.embed.weight,
                                                    *(emb.weight for emb in self.value_embeds))
-                ve = tuple(ve)
+                x, ve = tables[0], tables[1:]
             else:
                 ve = tuple(emb(input_seq) for emb in self.value_embeds)
                 x = self.embed(input_seq)

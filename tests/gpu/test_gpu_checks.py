@@ -79,6 +79,12 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def bf16_steps(a, exact) -> float:
+    """The largest difference of a from exact (float64) in bf16 steps at exact's magnitude (8 significant bits)."""
+    step = 2.0 ** (torch.floor(torch.log2(exact.double().abs().clamp_min(1e-30))) - 7)
+    return ((a.double() - exact.double()).abs() / step).max().item()
+
+
 def time_ms(fn, warmup=25, rep=100) -> float:
     import triton.testing
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
@@ -186,7 +192,6 @@ def test_fp8_weight_gradient_in_the_weights_layout_matches_the_records_product(g
 
     new = torch.ops.speedrun.fp8_matmul_backward(g_f8, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[1]
     old = records().to(torch.bfloat16)
-    ulp = 2.0 ** (torch.floor(torch.log2(old.float().abs().clamp_min(1e-30))) - 7)
     acc = torch.zeros(V, d, device="cuda", dtype=torch.bfloat16)
 
     def accumulate(fn):
@@ -196,7 +201,7 @@ def test_fp8_weight_gradient_in_the_weights_layout_matches_the_records_product(g
     r = gpu_results["fp8_weight_gradient"] = dict(
         shape=[T, d, V], contiguous=new.is_contiguous(), dtype=str(new.dtype),
         share_differing=(new != old).double().mean().item(),
-        max_diff_in_bf16_steps=((new.float() - old.float()).abs() / ulp).max().item(),
+        max_diff_in_bf16_steps=bf16_steps(new, old),
         equals_the_gemm_alone=bool(torch.equal(new, ours())),
         ms_gemm_ours=time_ms(ours), ms_gemm_records=time_ms(records),
         ms_with_accumulation_ours=time_ms(accumulate(ours)), ms_with_accumulation_records=time_ms(accumulate(records)))
@@ -238,8 +243,7 @@ def test_fused_embedding_backward_matches_inductors(gpu_results):
              for g in grads]
 
     def steps(name):
-        return max(((a.double() - e).abs() / 2.0 ** (torch.floor(torch.log2(e.abs().clamp_min(1e-30))) - 7)).max().item()
-                   for a, e in zip(result[name], exact))
+        return max(bf16_steps(a, e) for a, e in zip(result[name], exact))
     r = gpu_results["fused_embedding_backward"] = dict(
         shape=[T, d, V], tables=4, distinct_ids=int(ids.unique().numel()),
         most_frequent_id_share=torch.bincount(ids.long()).max().item() / T,
