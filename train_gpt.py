@@ -156,9 +156,6 @@ class Hyperparameters:
     fa4_launch_replay: bool = setting(True, "with FlashAttention-4: after the first call of each shape, launch its "
                                              "compiled kernels directly (same kernels, same arguments), skipping "
                                              "its Python interface's per-call planning")
-    fused_embedding_backward: bool = setting(False, "embedding tables' gradients by one Triton pass per table over "
-                                                    "the token-sorted gradient rows (fp32 sums, each row written "
-                                                    "once in bf16) instead of Inductor's fp32 scatter and cast")
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
     cuda_graphs: str = setting("auto", "replay each training micro-batch (forward and backward) as one CUDA graph, "
                                        "captured in the warm-up per batch size and window; auto: on with one CUDA "
@@ -2213,122 +2210,6 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
-# --- embedding gradients -----------------------------------------------------------------------------------------
-# Inductor writes an embedding's backward as fp32 atomic adds into a zeroed (vocab, d) buffer and a cast to bf16:
-# two passes over the whole table per table and micro-batch, beside the scatter itself. The four tables (token
-# embedding and three value embeddings) share their token ids, so the ids are sorted once and each table's
-# gradient rows are summed per id in fp32 by one Triton pass that writes every used row of the bf16 gradient once
-# (--fused-embedding-backward; the rows no token used are zeroed first).
-
-EMBEDDING_GRAD_TILE = 64  # sorted positions per program; BLOCK_D columns per program
-EMBEDDING_GRAD_BLOCK_D = 128
-
-
-def embedding_grads_reference(grads: list[Tensor], ids: Tensor, num_rows: int) -> list[Tensor]:
-    """Each table's d weight from its output gradient (T, d): the rows' fp32 sums per id, rounded once."""
-    out = []
-    for g in grads:
-        summed = torch.zeros((num_rows, g.size(-1)), dtype=torch.float32, device=g.device)
-        out.append(summed.index_add_(0, ids.long(), g.float()).to(g.dtype))
-    return out
-
-
-@torch.library.custom_op("speedrun::embedding_grads", mutates_args=())
-def embedding_grads(grads: list[Tensor], ids: Tensor, num_rows: int) -> list[Tensor]:
-    """embedding_grads_reference by sorted_rows_sum_kernel: the ids sorted once for every table."""
-    if not _kernels_usable(ids):
-        return embedding_grads_reference(grads, ids, num_rows)
-    T = ids.numel()
-    sorted_ids, order = torch.sort(ids.reshape(-1).to(torch.int32), stable=True)
-    out = []
-    for g in grads:
-        g = g.reshape(T, -1).contiguous()
-        D = g.size(1)
-        o = torch.zeros((num_rows, D), dtype=g.dtype, device=g.device)
-        grid = (triton.cdiv(T, EMBEDDING_GRAD_TILE), triton.cdiv(D, EMBEDDING_GRAD_BLOCK_D))
-        _sorted_rows_sum_kernel[grid](g, order, sorted_ids, o, T, D, TILE=EMBEDDING_GRAD_TILE,
-                                      BLOCK_D=EMBEDDING_GRAD_BLOCK_D, EXACT_DOT=g.dtype == torch.float32,
-                                      num_warps=4)
-        out.append(o)
-    return out
-
-
-@embedding_grads.register_fake
-def _(grads, ids, num_rows):
-    return [g.new_empty((num_rows, g.size(-1))) for g in grads]
-
-
-class SharedIdsEmbeddings(torch.autograd.Function):
-    """F.embedding of several tables at the same ids (the gathers stay visible to Inductor), whose backward is
-    one embedding_grads call for all of them."""
-
-    @staticmethod
-    def forward(ctx, ids: Tensor, *weights: Tensor):
-        ctx.save_for_backward(ids)
-        ctx.num_rows = weights[0].size(0)
-        return tuple(F.embedding(ids, w) for w in weights)
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor):
-        ids, = ctx.saved_tensors
-        return None, *torch.ops.speedrun.embedding_grads([g.contiguous() for g in grads], ids, ctx.num_rows)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _sorted_rows_sum_kernel(G, ORDER, SORTED, OUT, T, D, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
-                                EXACT_DOT: tl.constexpr):
-        # OUT[id] = sum of G[ORDER[j]] over the sorted positions j with SORTED[j] == id, for BLOCK_D columns.
-        # A program owns the ids whose first sorted position falls in its TILE positions. Within the tile, each
-        # row's same-id sum is one small matmul, (SORTED_a == SORTED_b) @ G_tile (0/1 weights: the fp32 sums of the
-        # rows); an id still running at the tile's end is continued tile by tile. Every owned id's row is
-        # written once; ids whose first position lies in an earlier tile are left to that tile's program.
-        pid = tl.program_id(0)
-        pid_d = tl.program_id(1)
-        lo = pid * TILE
-        rows = lo + tl.arange(0, TILE)
-        in_range = rows < T
-        cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        col_ok = cols < D
-        ids = tl.load(SORTED + rows, mask=in_range, other=-1)
-        prev = tl.load(SORTED + rows - 1, mask=in_range & (rows > 0), other=-2)
-        starts = in_range & (ids != prev)
-        src = tl.load(ORDER + rows, mask=in_range, other=0).to(tl.int64)
-        g = tl.load(G + src[:, None] * D + cols[None, :], mask=in_range[:, None] & col_ok[None, :], other=0.0)
-        same = (ids[:, None] == ids[None, :]) & in_range[:, None] & in_range[None, :]
-        if EXACT_DOT:
-            sums = tl.dot(same.to(tl.float32), g, input_precision="ieee")
-        else:
-            sums = tl.dot(same.to(g.dtype), g)
-        # the id at the tile's last row may run on into the next tiles
-        last = tl.minimum(lo + TILE, T) - 1
-        last_id = tl.load(SORTED + last)
-        next_id = tl.where(last + 1 < T, tl.load(SORTED + tl.minimum(last + 1, T - 1)), -1)
-        runs_on = next_id == last_id
-        # (the scalar broadcast to the tile before it meets a vector: Triton's interpreter wants masks that way)
-        next_ids = tl.zeros([TILE], dtype=tl.int32) + next_id
-        done_here = starts & ((ids != last_id) | (next_ids != last_id))
-        tl.store(OUT + ids.to(tl.int64)[:, None] * D + cols[None, :], sums.to(OUT.dtype.element_ty),
-                 mask=done_here[:, None] & col_ok[None, :])
-        last_start = starts & (ids == last_id)  # the running id's first row, when this tile owns it
-        owns_last = tl.sum(last_start.to(tl.int32), axis=0) > 0
-        if owns_last & runs_on:
-            acc = tl.sum(tl.where(last_start[:, None], sums, 0.0), axis=0)
-            cur = lo + TILE
-            more = True
-            while more:
-                nrows = cur + tl.arange(0, TILE)
-                nids = tl.load(SORTED + nrows, mask=nrows < T, other=-1)
-                hit = nids == last_id
-                nsrc = tl.load(ORDER + nrows, mask=hit, other=0).to(tl.int64)
-                ng = tl.load(G + nsrc[:, None] * D + cols[None, :], mask=hit[:, None] & col_ok[None, :], other=0.0)
-                acc += tl.sum(ng.to(tl.float32), axis=0)
-                cur += TILE
-                more = tl.load(SORTED + cur, mask=cur < T, other=-1) == last_id
-            tl.store(OUT + last_id.to(tl.int64) * D + cols, acc.to(OUT.dtype.element_ty), mask=col_ok)
-
-
 def tag(p: nn.Parameter, label: str, lr_mul: float = 1.0) -> nn.Parameter:
     """Attach the optimizer metadata (grouping label, per-parameter lr multiplier)."""
     p.label, p.lr_mul = label, lr_mul
@@ -2644,7 +2525,6 @@ class GPT(nn.Module):
         self.qkv_attn_fn = attention_fa4_qkv if fused_qk_norm_rope else None
         self.static_attention_params = attn_backend in ATTENTION_STATIC_PARAMS
         self.dynamic_seq_len = dynamic_seq_len
-        self.fused_embedding_backward = args.fused_embedding_backward
         self.trunk_bounds = trunk_bounds(L, trunk_graphs)
         self._trunk = self._head = None  # compiled regions, set by compile_regions()
         self.compiled_jobs = None  # None: every compiled region runs compiled; a set: only these jobs (the rest eager)
@@ -2704,13 +2584,8 @@ class GPT(nn.Module):
         smear_lambda, backout_lambda = self.scalars[5 * L], self.scalars[5 * L + 1]
 
         if carry is None:
-            if self.fused_embedding_backward:
-                tables = SharedIdsEmbeddings.apply(input_seq, self.embed.weight,
-                                                   *(emb.weight for emb in self.value_embeds))
-                x, ve = tables[0], tables[1:]
-            else:
-                ve = tuple(emb(input_seq) for emb in self.value_embeds)
-                x = self.embed(input_seq)
+            ve = tuple(emb(input_seq) for emb in self.value_embeds)
+            x = self.embed(input_seq)
             # Smear: mix a gated copy of the previous token's embedding into each position (1-token look-back).
             gate = smear_lambda * torch.sigmoid(F.linear(x[1:, :12], self.smear_gate.weight))
             x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
@@ -3798,7 +3673,7 @@ class Runtime:
                 f'mlp_kernel={self.mlp_kernel} fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
                 f'fa4_launch_replay={int(self.fa4_launch_replay)} quack_plans={int(self.quack_plans)} '
                 f'trunk_graphs={self.trunk_graphs} parallel_compile={int(self.parallel_compile)} '
-                f'cuda_graphs={int(self.cuda_graphs)} fused_embedding_backward={int(args.fused_embedding_backward)} '
+                f'cuda_graphs={int(self.cuda_graphs)} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')

@@ -44,7 +44,6 @@ from train_gpt import (  # noqa: E402
     FP8_W_SCALE,
     FP8_X_SCALE,
     ConfigError,
-    SharedIdsEmbeddings,
     Hyperparameters,
     Yarn,
     attention_fa4_qkv,
@@ -207,50 +206,6 @@ def test_fp8_weight_gradient_in_the_weights_layout_matches_the_records_product(g
         ms_with_accumulation_ours=time_ms(accumulate(ours)), ms_with_accumulation_records=time_ms(accumulate(records)))
     assert r["contiguous"] and r["dtype"] == "torch.bfloat16" and r["equals_the_gemm_alone"], r
     assert r["max_diff_in_bf16_steps"] <= 1.0 and r["share_differing"] < 0.01, r
-
-
-def test_fused_embedding_backward_matches_inductors(gpu_results):
-    """--fused-embedding-backward (the four tables' gradients from token-sorted rows) against Inductor's compile of
-    the four plain embeddings, both against float64, on a stage-3 micro-batch with text-like repeated ids (Zipf:
-    the most frequent id about 9 % of the tokens), with the forward+backward time of each."""
-    torch.manual_seed(0)
-    T, d, V = 49152, 768, 50304
-    zipf = 1.0 / torch.arange(1, V + 1, dtype=torch.float64)
-    ids = torch.multinomial(zipf, T, replacement=True).to(torch.int32).cuda()
-    tables = [torch.randn(V, d, device="cuda").bfloat16().requires_grad_() for _ in range(4)]
-    grads = [torch.randn(T, d, device="cuda").bfloat16() for _ in range(4)]
-
-    def run(lookup):
-        outs = lookup(ids, *tables)
-        torch.autograd.backward(outs, grads)
-
-    inductor = torch.compile(lambda i, *w: [torch.nn.functional.embedding(i, t) for t in w], fullgraph=True,
-                             dynamic=False)
-    fused = torch.compile(lambda i, *w: SharedIdsEmbeddings.apply(i, *w), fullgraph=True, dynamic=False)
-    result = {}
-    for name, fn in (("inductor", inductor), ("fused", fused)):
-        run(fn)
-        result[name] = [t.grad for t in tables]
-        for t in tables:
-            t.grad = None
-
-        def step():
-            for t in tables:
-                t.grad = None
-            run(fn)
-        result[f"ms_{name}"] = time_ms(step)
-    exact = [torch.zeros(V, d, dtype=torch.float64, device="cuda").index_add_(0, ids.long(), g.double())
-             for g in grads]
-
-    def steps(name):
-        return max(bf16_steps(a, e) for a, e in zip(result[name], exact))
-    r = gpu_results["fused_embedding_backward"] = dict(
-        shape=[T, d, V], tables=4, distinct_ids=int(ids.unique().numel()),
-        most_frequent_id_share=torch.bincount(ids.long()).max().item() / T,
-        max_err_in_bf16_steps_fused=steps("fused"), max_err_in_bf16_steps_inductor=steps("inductor"),
-        share_differing=sum((a != b).double().mean().item() for a, b in zip(result["fused"], result["inductor"])) / 4,
-        fwd_bwd_ms_inductor=result["ms_inductor"], fwd_bwd_ms_fused=result["ms_fused"])
-    assert r["max_err_in_bf16_steps_fused"] <= 0.51 and r["max_err_in_bf16_steps_inductor"] <= 0.51, r
 
 
 def head_inputs(T: int = 16384, d: int = 768, V: int = 50304) -> tuple:
