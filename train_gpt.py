@@ -2258,31 +2258,6 @@ class Yarn(nn.Module):
         return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
-class LinearAndLeadingColumns(torch.autograd.Function):
-    """(x Wᵀ, x[:, :k]): the attention's input projection and the few leading channels its sparse gate reads, with
-    x's two gradients combined by adding the gate's (T, k) gradient into the first k columns of the projection's.
-    Left to autograd, x's gradient is mm(dy, W) + (the gate's gradient padded with zeros to (T, d)), which Inductor
-    turns into an addmm: a copy of the padded tensor into the output, then a GEMM that reads it back, per layer
-    and micro-batch. Here the small addition is a pointwise step that Inductor fuses into the RMS norm's backward.
-    The GEMMs are F.linear's own (dx = dy W, dW = dyᵀ x)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, k: int):
-        ctx.save_for_backward(x, w)
-        ctx.k = k
-        return F.linear(x, w), x[:, :k].clone()
-
-    @staticmethod
-    def backward(ctx, d_y: Tensor, d_lead: Tensor):
-        x, w = ctx.saved_tensors
-        k = ctx.k
-        d_x = d_y @ w
-        if d_lead is not None:
-            d_x = d_x.slice_scatter(d_x[:, :k] + d_lead, dim=1, start=0, end=k)
-        d_w = d_y.t() @ x if ctx.needs_input_grad[1] else None
-        return d_x, d_w, None
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int):
         super().__init__()
@@ -2303,8 +2278,7 @@ class CausalSelfAttention(nn.Module):
         T, d = x.shape
         w = self.qkvo_w.type_as(x)
         # sa_lambdas are folded into the weights (a 768x2304 multiply is cheaper than a T x 2304 one).
-        qkv, gate_in = LinearAndLeadingColumns.apply(x, sa_lambdas[0] * w[:3 * d], 12)
-        qkv = qkv.view(T, 3 * self.num_heads, self.head_dim)
+        qkv = F.linear(x, sa_lambdas[0] * w[:3 * d]).view(T, 3 * self.num_heads, self.head_dim)
         if qkv_attn_fn is not None:  # the same norm, rotary and attention inside one op (fa4_qkv)
             ve = None if ve is None else ve.view(T, self.num_heads, self.head_dim)
             y = qkv_attn_fn(qkv, ve, yarn, cu_seqlens, max_seqlen, attn_params, which)
@@ -2314,7 +2288,7 @@ class CausalSelfAttention(nn.Module):
             if ve is not None:
                 v = v + ve.view_as(v)
             y = attn_fn(q, k, v, cu_seqlens, max_seqlen, attn_params, which)
-        y = y * torch.sigmoid(F.linear(gate_in, self.attn_gate.weight)).unsqueeze(-1)
+        y = y * torch.sigmoid(F.linear(x[:, :12], self.attn_gate.weight)).unsqueeze(-1)
         return F.linear(y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
 
 

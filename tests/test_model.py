@@ -408,63 +408,12 @@ def pair_losses(pair, T=128, seed=7):
 
 
 def test_compiled_regions_compute_the_same_loss_and_grads_as_eager():
-    eager, compiled = model_pair(seed=5, max_seq_len=128, head_seed=1, attn_fn=_value_passthrough_attention,
-                                 output_projections=True)
+    eager, compiled = model_pair(seed=5, max_seq_len=128, head_seed=1, attn_fn=_value_passthrough_attention)
     compiled.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
     losses = pair_losses((eager, compiled))
     assert torch.equal(losses[0], losses[1])
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.equal(p.grad, q.grad), name
-
-
-def _gated_projection(combined: bool):
-    """The attention's input path in miniature: RMS norm, the qkv projection, the sparse gate on 12 channels."""
-    def f(x, w, wg):
-        x = tg.norm(x)
-        if combined:
-            y, lead = tg.LinearAndLeadingColumns.apply(x, w, 12)
-        else:
-            y, lead = F.linear(x, w), x[:, :12]
-        return y.square().sum() + torch.sigmoid(F.linear(lead, wg)).sum()
-    return f
-
-
-def _gated_projection_inputs(dtype):
-    g = torch.Generator().manual_seed(3)
-    return [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-            for shape in ((64, 128), (384, 128), (6, 12))]
-
-
-def test_linear_and_leading_columns_gives_autograds_gradients():
-    """The combined projection + gate input against F.linear and a slice, in float64: the same loss, and the
-    same gradients for x, W and the gate up to summation order."""
-    grads = []
-    for combined in (False, True):
-        inputs = _gated_projection_inputs(torch.float64)
-        loss = _gated_projection(combined)(*inputs)
-        loss.backward()
-        grads.append((loss.detach(), [t.grad for t in inputs]))
-    assert torch.equal(grads[0][0], grads[1][0])
-    for a, b in zip(grads[0][1], grads[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-
-
-def test_attention_input_gradient_needs_no_full_width_addmm_under_inductor():
-    """Compiled by Inductor, autograd's sum of the projection's and the gate's gradients becomes an addmm whose
-    input is the gate's gradient padded to (T, d) (a full copy, then a GEMM that reads it back); the combined
-    function leaves one (T, 12) addmm and adds it inside the RMS norm's backward kernel."""
-    from torch._inductor.utils import run_and_get_code
-
-    def addmm_inputs(combined):
-        f = torch.compile(_gated_projection(combined), fullgraph=True, dynamic=False)
-        inputs = _gated_projection_inputs(torch.float32)
-        _, code = run_and_get_code(lambda: f(*inputs).backward())
-        torch._dynamo.reset()
-        return [line.split("addmm(", 1)[1] for src in code for line in src.splitlines()
-                if "extern_kernels.addmm(" in line]
-    plain, combined = addmm_inputs(False), addmm_inputs(True)
-    assert len(plain) == 1 and not plain[0].startswith("reinterpret_tensor"), plain  # the padded (64, 128) buffer
-    assert len(combined) == 1 and "(64, 12)" in combined[0], combined
 
 
 def test_no_compiles_allowed_raises_on_a_new_graph_and_lets_warmed_ones_run():
