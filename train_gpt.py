@@ -148,6 +148,8 @@ class Hyperparameters:
     mlp_kernel: str = setting("auto", "ReLU² MLP kernels: quack's fused GEMM+activation (pip install quack-kernels; "
                                       "Hopper/Blackwell) or Inductor's (cuBLAS + fused pointwise); auto: quack where "
                                       "it imports on such a GPU", ("auto", "quack", "inductor"))
+    quack_attn_proj: bool = setting(True, "with quack's MLP kernels: each attention output projection and its residual "
+                                          "addition as one quack GEMM that adds the residual in its epilogue")
     fused_qk_norm_rope: bool = setting(True, "with FlashAttention-4: q/k RMS norm + rotary as one Triton pass inside "
                                               "the attention op, whose backward writes dq, dk, dv into the qkv gradient")
     quack_plans: bool = setting(True, "with quack's MLP: launch its two fused GEMMs through quack's prepared plans "
@@ -2258,6 +2260,36 @@ class Yarn(nn.Module):
         return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
+# The attention's output projection and the residual stream's addition, residual + y Woᵀ. Inductor turns the pair
+# into an addmm, and for an addmm ATen first copies the residual into the output tensor, then has cuBLAS read it
+# back as the GEMM's C. quack's gemm_add (Tri Dao et al.) reads the residual in its epilogue instead.
+
+@torch.library.custom_op("speedrun::residual_linear", mutates_args=())
+def residual_linear(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    """residual + y wᵀ for residual, y (T, d) and w (d_out, d), bf16: one quack GEMM on a GPU."""
+    if not y.is_cuda:
+        return torch.addmm(residual, y, w.t())
+    return quack_gemm().gemm_add(y, w.mT, residual, tuned=False)
+
+
+@residual_linear.register_fake
+def _(residual, y, w):
+    return torch.empty_like(residual)
+
+
+def _residual_linear_setup_context(ctx, inputs, output):
+    _, y, w = inputs
+    ctx.save_for_backward(y, w)
+
+
+def _residual_linear_backward(ctx, grad):
+    y, w = ctx.saved_tensors
+    return grad, grad @ w, grad.t() @ y
+
+
+residual_linear.register_autograd(_residual_linear_backward, setup_context=_residual_linear_setup_context)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int):
         super().__init__()
@@ -2272,9 +2304,11 @@ class CausalSelfAttention(nn.Module):
         self.attn_gate = nn.Linear(12, num_heads, bias=False)
         nn.init.zeros_(self.attn_gate.weight)
         tag(self.attn_gate.weight, "attn_gate")
+        self.fused_residual = False  # the output projection and the residual addition by residual_linear
 
-    def forward(self, x, ve, sa_lambdas, cu_seqlens, max_seqlen, attn_params, which, yarn, attn_fn,
+    def forward(self, x, residual, ve, sa_lambdas, cu_seqlens, max_seqlen, attn_params, which, yarn, attn_fn,
                 qkv_attn_fn=None):
+        """residual + attention(x): x is the normed block input, residual the block input."""
         T, d = x.shape
         w = self.qkvo_w.type_as(x)
         # sa_lambdas are folded into the weights (a 768x2304 multiply is cheaper than a T x 2304 one).
@@ -2289,7 +2323,10 @@ class CausalSelfAttention(nn.Module):
                 v = v + ve.view_as(v)
             y = attn_fn(q, k, v, cu_seqlens, max_seqlen, attn_params, which)
         y = y * torch.sigmoid(F.linear(x[:, :12], self.attn_gate.weight)).unsqueeze(-1)
-        return F.linear(y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
+        w_out = sa_lambdas[1] * w[3 * d:]
+        if self.fused_residual:
+            return torch.ops.speedrun.residual_linear(residual, y.reshape(T, d), w_out)
+        return residual + F.linear(y.reshape(T, d), w_out)
 
 
 # The ReLU² MLP, out = relu(x w_fcᵀ)² w_proj, has two implementations. Inductor's: cuBLAS GEMMs with ReLU² (and
@@ -2485,10 +2522,11 @@ class GPT(nn.Module):
 
     def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1, attn_backend: str = "reference",
                  fp8: bool = False, dynamic_seq_len: bool = False, mlp_kernel: str = "inductor",
-                 fused_qk_norm_rope: bool = False, trunk_graphs: int = 1):
+                 quack_attn_proj: bool = False, fused_qk_norm_rope: bool = False, trunk_graphs: int = 1):
         """max_seq_len: longest packed micro-batch (rotary tables); world_size: pads the scalars for DistAdam;
         attn_backend: a key of ATTENTION_BACKENDS; fp8: FP8 lm_head in training; dynamic_seq_len: mark the token
         dimension dynamic so one compiled graph serves every batch size; mlp_kernel: one of MLP_KERNELS;
+        quack_attn_proj: attention output projections + residual through residual_linear (quack);
         fused_qk_norm_rope: attention through fa4_qkv (needs attn_backend fa4); trunk_graphs: compiled graphs the
         trunk is split into (GPT.trunk_part)."""
         super().__init__()
@@ -2500,6 +2538,9 @@ class GPT(nn.Module):
         nn.init.zeros_(self.smear_gate.weight)
         self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
         self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim, mlp_kernel) for i in range(L)])
+        for block in self.blocks:
+            if block.attn is not None:
+                block.attn.fused_residual = quack_attn_proj
         self.yarn = Yarn(args.head_dim, max_seq_len)
         self.lm_head = LMHead(d, self.vocab_size, fp8, args.fused_fp8_head, args.ce_backward_tile, args.ce_fast_math,
                               args.fused_ce_forward)
@@ -2601,8 +2642,8 @@ class GPT(nn.Module):
             if block.attn is not None:
                 which = 1 if i in self.LONG_WINDOW_LAYERS else 0
                 v = ve[self.VALUE_EMBED_OF_LAYER[i]] if i in self.VALUE_EMBED_OF_LAYER else None
-                x = x + block.attn(norm(x), v, sa_lambdas[i], cu_seqlens, max_seqlen, attn_params, which, self.yarn,
-                                   self.attn_fn, self.qkv_attn_fn)
+                x = block.attn(norm(x), x, v, sa_lambdas[i], cu_seqlens, max_seqlen, attn_params, which, self.yarn,
+                               self.attn_fn, self.qkv_attn_fn)
             if block.mlp is not None:
                 x = x + block.mlp(norm(x))
             if i == self.SKIP_FROM:
@@ -3650,6 +3691,7 @@ class Runtime:
     fp8: bool
     dynamic_seq_len: bool     # one compiled graph for every batch size
     mlp_kernel: str = "inductor"   # one of MLP_KERNELS
+    quack_attn_proj: bool = False     # residual_linear: attention output projection + residual in one quack GEMM
     fused_qk_norm_rope: bool = False  # fa4_qkv: q/k norm + rotary fused into the FlashAttention-4 op
     fa4_launch_replay: bool = False   # FA4_LAUNCHES: replay FlashAttention-4's recorded launches
     quack_plans: bool = False         # QUACK_PLANS: quack's MLP GEMMs through its prepared plans
@@ -3670,7 +3712,8 @@ class Runtime:
                 f'fp8={int(self.fp8)} compile={int(self.compile)} dynamic_seq_len={int(self.dynamic_seq_len)} '
                 f'fused_fp8_head={int(fused_head)} ce_fast_math={int(fused_head and args.ce_fast_math)} '
                 f'fused_ce_forward={int(fused_head and args.fused_ce_forward)} '
-                f'mlp_kernel={self.mlp_kernel} fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
+                f'mlp_kernel={self.mlp_kernel} quack_attn_proj={int(self.quack_attn_proj)} '
+                f'fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
                 f'fa4_launch_replay={int(self.fa4_launch_replay)} quack_plans={int(self.quack_plans)} '
                 f'trunk_graphs={self.trunk_graphs} parallel_compile={int(self.parallel_compile)} '
                 f'cuda_graphs={int(self.cuda_graphs)} '
@@ -3754,6 +3797,7 @@ def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: boo
                    fused_qk_norm_rope=args.fused_qk_norm_rope and backend == "fa4" and triton is not None,
                    fa4_launch_replay=args.fa4_launch_replay and backend == "fa4",
                    quack_plans=args.quack_plans and mlp_kernel == "quack",
+                   quack_attn_proj=args.quack_attn_proj and mlp_kernel == "quack",
                    trunk_graphs=resolve_trunk_graphs(args, device, env), parallel_compile=parallel_compile,
                    cuda_graphs=resolve_cuda_graphs(args, device, world_size, use_compile))
     startup_mark("kernel libraries")  # resolving the backends imports FlashAttention-4's and quack's CuTe DSL
@@ -3814,7 +3858,7 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     micro_batches = rt.grad_accum_steps * rt.world_size  # per step, over all ranks
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
-                dynamic_seq_len=rt.dynamic_seq_len, mlp_kernel=rt.mlp_kernel,
+                dynamic_seq_len=rt.dynamic_seq_len, mlp_kernel=rt.mlp_kernel, quack_attn_proj=rt.quack_attn_proj,
                 fused_qk_norm_rope=rt.fused_qk_norm_rope, trunk_graphs=rt.trunk_graphs).to(rt.device)
     FA4_LAUNCHES.enabled = rt.fa4_launch_replay  # the ops' host paths (module state: the ops are global)
     QUACK_PLANS.enabled = rt.quack_plans

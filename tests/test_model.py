@@ -416,6 +416,45 @@ def test_compiled_regions_compute_the_same_loss_and_grads_as_eager():
         assert torch.equal(p.grad, q.grad), name
 
 
+def test_residual_linear_op_computes_the_residual_plus_projection_and_its_gradients():
+    """speedrun::residual_linear against residual + y wᵀ under autograd, in float64 (the CPU path), and
+    torch.library's checks of its fake and autograd registrations."""
+    g = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+              for shape in ((32, 24), (32, 16), (24, 16))]
+    plain = [t.detach().clone().requires_grad_() for t in inputs]
+    out = torch.ops.speedrun.residual_linear(*inputs)
+    ref = plain[0] + plain[1] @ plain[2].t()
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(grad)
+    ref.backward(grad)
+    for a, b in zip(inputs, plain):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+    torch.library.opcheck(torch.ops.speedrun.residual_linear, [t.detach().requires_grad_() for t in inputs])
+
+
+def test_quack_attn_proj_model_matches_the_plain_residual_addition_eager_and_compiled():
+    """The model with its attention output projections through residual_linear (CPU path: one addmm, fp32 sum of
+    the residual and the product, one rounding) against residual + F.linear (rounds the product first): the
+    same loss and gradients up to bf16 rounding, eager and compiled (aot_eager)."""
+    for compiled in (False, True):
+        plain, fused = model_pair(seed=5, max_seq_len=128, head_seed=1, attn_fn=_value_passthrough_attention,
+                                  output_projections=True)
+        for block in fused.blocks:
+            if block.attn is not None:
+                block.attn.fused_residual = True
+        if compiled:
+            fused.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
+        losses = pair_losses((plain, fused))
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=0)
+        for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                scale = p.grad.float().abs().max().clamp_min(1e-30)
+                assert (p.grad.float() - q.grad.float()).abs().max() <= 0.05 * scale, name
+
+
 def test_no_compiles_allowed_raises_on_a_new_graph_and_lets_warmed_ones_run():
     f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False, fullgraph=True)
     f(torch.ones(4))  # "warm-up"

@@ -341,6 +341,31 @@ def test_quack_relu2_mlp_matches_float32_like_inductor(tokens, gpu_results):
         assert q < 1.5 * i + 1e-3, r   # bench/quack_kernels_bench.py measured quack at or below Inductor
 
 
+def test_residual_linear_matches_addmm_and_times_both(gpu_results):
+    """--quack-attn-proj: residual + y Woᵀ by quack's gemm_add against the addmm Inductor makes of it (ATen copies the
+    residual into the output, cuBLAS adds it back), both against float64, on a stage-3 micro-batch, with times."""
+    try:
+        resolve_mlp_kernel("quack", "cuda")
+    except ConfigError as e:
+        gpu_results["residual_linear"] = f"unavailable: {e}"
+        pytest.skip(str(e))
+    torch.manual_seed(0)
+    T, d = 49152, 768
+    residual = torch.randn(T, d, device="cuda").bfloat16()
+    y = torch.randn(T, d, device="cuda").bfloat16()
+    w = (torch.randn(d, d, device="cuda") * d ** -0.5).bfloat16()
+    exact = residual.double() + y.double() @ w.double().t()
+    ours = torch.ops.speedrun.residual_linear(residual, y, w)
+    addmm = torch.addmm(residual, y, w.t())
+    r = gpu_results["residual_linear"] = dict(
+        shape=[T, d, d], max_err_in_bf16_steps_quack=bf16_steps(ours, exact),
+        max_err_in_bf16_steps_addmm=bf16_steps(addmm, exact), share_differing=(ours != addmm).double().mean().item(),
+        ms_quack=time_ms(lambda: torch.ops.speedrun.residual_linear(residual, y, w)),
+        ms_addmm=time_ms(lambda: torch.addmm(residual, y, w.t())),
+        ms_mm_then_add=time_ms(lambda: residual + y @ w.t()))
+    assert ours.dtype == torch.bfloat16 and r["max_err_in_bf16_steps_quack"] <= 1.01, r
+
+
 @pytest.mark.parametrize("tokens", [16384, 49152])
 def test_quack_plans_are_bit_identical_to_quacks_interface(tokens, gpu_results, monkeypatch):
     """--quack-plans: the MLP op's forward and backward through quack's prepared plans against quack's interface
