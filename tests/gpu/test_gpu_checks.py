@@ -343,7 +343,8 @@ def test_quack_relu2_mlp_matches_float32_like_inductor(tokens, gpu_results):
 
 def test_residual_linear_matches_addmm_and_times_both(gpu_results):
     """--quack-attn-proj: residual + y Woᵀ by quack's gemm_add against the addmm Inductor makes of it (ATen copies the
-    residual into the output, cuBLAS adds it back), both against float64, on a stage-3 micro-batch, with times."""
+    residual into the output, cuBLAS adds it back) and against eager PyTorch's residual + y @ Woᵀ (the product
+    rounded to bf16 before the addition), all against float64, on a stage-3 micro-batch, with times."""
     try:
         resolve_mlp_kernel("quack", "cuda")
     except ConfigError as e:
@@ -357,13 +358,15 @@ def test_residual_linear_matches_addmm_and_times_both(gpu_results):
     exact = residual.double() + y.double() @ w.double().t()
     ours = torch.ops.speedrun.residual_linear(residual, y, w)
     addmm = torch.addmm(residual, y, w.t())
+    eager = residual + y @ w.t()
     r = gpu_results["residual_linear"] = dict(
-        shape=[T, d, d], max_err_in_bf16_steps_quack=bf16_steps(ours, exact),
-        max_err_in_bf16_steps_addmm=bf16_steps(addmm, exact), share_differing=(ours != addmm).double().mean().item(),
+        shape=[T, d, d], rel_err_quack=rel(ours, exact), rel_err_addmm=rel(addmm, exact), rel_err_eager=rel(eager, exact),
+        share_differing_from_addmm=(ours != addmm).double().mean().item(),
+        share_differing_from_eager=(ours != eager).double().mean().item(),
         ms_quack=time_ms(lambda: torch.ops.speedrun.residual_linear(residual, y, w)),
         ms_addmm=time_ms(lambda: torch.addmm(residual, y, w.t())),
         ms_mm_then_add=time_ms(lambda: residual + y @ w.t()))
-    assert ours.dtype == torch.bfloat16 and r["max_err_in_bf16_steps_quack"] <= 1.01, r
+    assert ours.dtype == torch.bfloat16 and r["rel_err_quack"] <= 1.5 * max(r["rel_err_addmm"], r["rel_err_eager"]), r
 
 
 @pytest.mark.parametrize("tokens", [16384, 49152])
