@@ -8,7 +8,6 @@
     record's transposed fp32 product, and the time of each
   * the fused FP8 head (one Triton pass writing both e5m2 gradient layouts) vs the unfused path, and its e5m2
     gradient byte by byte vs the same formula in PyTorch ops
-  * --fused-embedding-backward's op vs Inductor's embedding backward, both against float64, and their times
   * attention backends (PyTorch's FA2 varlen kernels behind our op, FA3 / FA4 when installed) vs the plain-PyTorch
     reference, forward and backward; FA2 vs torch's public varlen_attn (same kernels: same bits)
   * FA4 vs FA2 on one stage-3 micro-batch, with both speeds recorded
@@ -20,6 +19,8 @@
     the host time per call of each
   * the ReLU² MLP on quack's fused GEMMs (when quack-kernels is installed) vs float32, forward and backward, next to
     Inductor's version of the same two lines
+  * --quack-attn-proj: the output projection plus residual by quack's gemm_add vs cuBLAS's addmm and eager's
+    mm-then-add, all against float64, and the time of each
   * the three Triton orthogonalizer kernels vs float32 torch matmuls on the real shapes
   * Polar Express and Turbo-Muon on the real parameter-stack shapes vs the float64 SVD polar factor
 Bounds sit about 1.5-2x above the errors measured on an H100 (bench/results/*_gpu_checks*.json). Times are
