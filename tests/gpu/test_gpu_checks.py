@@ -85,6 +85,16 @@ def bf16_steps(a, exact) -> float:
     return ((a.double() - exact.double()).abs() / step).max().item()
 
 
+def require_quack(results: dict | None = None, key: str = ""):
+    """Skip unless quack-kernels runs here; the reason is recorded under `key` when given."""
+    try:
+        resolve_mlp_kernel("quack", "cuda")
+    except ConfigError as e:
+        if results is not None:
+            results[key] = f"unavailable: {e}"
+        pytest.skip(str(e))
+
+
 def time_ms(fn, warmup=25, rep=100) -> float:
     import triton.testing
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
@@ -314,11 +324,7 @@ def test_fa4_first_call_compiles_and_runs(gpu_results):
 def test_quack_relu2_mlp_matches_float32_like_inductor(tokens, gpu_results):
     """--mlp-kernel quack: output and the three gradients against float32 from the same bf16 inputs, with the
     errors of Inductor's version (what the default runs) as the yardstick: within bf16 rounding of it."""
-    try:
-        resolve_mlp_kernel("quack", "cuda")
-    except ConfigError as e:
-        gpu_results["mlp_quack"] = f"unavailable: {e}"
-        pytest.skip(str(e))
+    require_quack(gpu_results, "mlp_quack")
     torch.manual_seed(0)
     d = 768
     x = norm(torch.randn(tokens, d, device="cuda")).bfloat16()
@@ -346,11 +352,7 @@ def test_residual_linear_matches_addmm_and_times_both(gpu_results):
     """--quack-attn-proj: residual + y Woᵀ by quack's gemm_add against the addmm Inductor makes of it (ATen copies the
     residual into the output, cuBLAS adds it back) and against eager PyTorch's residual + y @ Woᵀ (the product
     rounded to bf16 before the addition), all against float64, on a stage-3 micro-batch, with times."""
-    try:
-        resolve_mlp_kernel("quack", "cuda")
-    except ConfigError as e:
-        gpu_results["residual_linear"] = f"unavailable: {e}"
-        pytest.skip(str(e))
+    require_quack(gpu_results, "residual_linear")
     torch.manual_seed(0)
     T, d = 49152, 768
     residual = torch.randn(T, d, device="cuda").bfloat16()
@@ -375,10 +377,7 @@ def test_quack_plans_are_bit_identical_to_quacks_interface(tokens, gpu_results, 
     """--quack-plans: the MLP op's forward and backward through quack's prepared plans against quack's interface
     functions, three fresh inputs with the memory first filled with NaN: bit for bit (the same GEMM kernels, no
     atomics). Records the plans built and the host time per call of each path."""
-    try:
-        resolve_mlp_kernel("quack", "cuda")
-    except ConfigError as e:
-        pytest.skip(str(e))
+    require_quack()
     plans = train_gpt.QuackMLPPlans()
     monkeypatch.setattr(train_gpt, "QUACK_PLANS", plans)
     d = 768
