@@ -2291,7 +2291,7 @@ residual_linear.register_autograd(_residual_linear_backward, setup_context=_resi
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, fused_residual: bool = False):
         super().__init__()
         self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
         # One stacked fp32 matrix: rows [0, 3d) are Wq, Wk, Wv and rows [3d, 4d) are Wo, all (out, in).
@@ -2304,7 +2304,7 @@ class CausalSelfAttention(nn.Module):
         self.attn_gate = nn.Linear(12, num_heads, bias=False)
         nn.init.zeros_(self.attn_gate.weight)
         tag(self.attn_gate.weight, "attn_gate")
-        self.fused_residual = False  # the output projection and the residual addition by residual_linear
+        self.fused_residual = fused_residual  # the output projection and the residual addition by residual_linear
 
     def forward(self, x, residual, ve, sa_lambdas, cu_seqlens, max_seqlen, attn_params, which, yarn, attn_fn,
                 qkv_attn_fn=None):
@@ -2505,9 +2505,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, layer: int, dim: int, num_heads: int, head_dim: int, mlp_kernel: str = "inductor"):
+    def __init__(self, layer: int, dim: int, num_heads: int, head_dim: int, mlp_kernel: str = "inductor",
+                 quack_attn_proj: bool = False):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim) if layer not in GPT.NO_ATTENTION else None
+        self.attn = (CausalSelfAttention(dim, num_heads, head_dim, quack_attn_proj)
+                     if layer not in GPT.NO_ATTENTION else None)
         self.mlp = MLP(dim, mlp_kernel) if layer not in GPT.NO_MLP else None
 
 
@@ -2537,10 +2539,8 @@ class GPT(nn.Module):
         self.smear_gate = nn.Linear(12, 1, bias=False)
         nn.init.zeros_(self.smear_gate.weight)
         self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
-        self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim, mlp_kernel) for i in range(L)])
-        for block in self.blocks:
-            if block.attn is not None:
-                block.attn.fused_residual = quack_attn_proj
+        self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim, mlp_kernel, quack_attn_proj)
+                                     for i in range(L)])
         self.yarn = Yarn(args.head_dim, max_seq_len)
         self.lm_head = LMHead(d, self.vocab_size, fp8, args.fused_fp8_head, args.ce_backward_tile, args.ce_fast_math,
                               args.fused_ce_forward)

@@ -438,6 +438,9 @@ def test_quack_attn_proj_model_matches_the_plain_residual_addition_eager_and_com
     """The model with its attention output projections through residual_linear (CPU path: one addmm, fp32 sum of
     the residual and the product, one rounding) against residual + F.linear (rounds the product first): the
     same loss and gradients up to bf16 rounding, eager and compiled (aot_eager)."""
+    wired = tg.GPT(SMOKE, max_seq_len=128, quack_attn_proj=True)
+    assert all(b.attn.fused_residual for b in wired.blocks if b.attn is not None)
+    assert not any(b.attn.fused_residual for b in make_model(max_seq_len=128).blocks if b.attn is not None)
     for compiled in (False, True):
         plain, fused = model_pair(seed=5, max_seq_len=128, head_seed=1, attn_fn=_value_passthrough_attention,
                                   output_projections=True)
