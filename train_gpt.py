@@ -385,7 +385,7 @@ def _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
                               scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(w_s, g_f8), use_fast_accum=False)
     # dW in the weight's own layout and dtype, (vocab, 768) bf16. The record computes (768, vocab) in fp32 and
     # returns its transpose, which autograd then casts to bf16 and adds into the gradient with strided passes
-    # over 38.6M elements. The GEMM alone is about 5 % slower this way round, much less than the passes it saves.
+    # over 38.6M elements. The GEMM alone is a little slower this way round, far less than the passes it saves cost.
     grad_w = torch._scaled_mm(g_f8_t, x_f8_t.T, out_dtype=torch.bfloat16,
                               scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(x_s, g_f8),
                               use_fast_accum=False)
