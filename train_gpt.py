@@ -152,9 +152,9 @@ class Hyperparameters:
                                           "addition as one quack GEMM that adds the residual in its epilogue")
     fused_qk_norm_rope: bool = setting(True, "with FlashAttention-4: q/k RMS norm + rotary as one Triton pass inside "
                                               "the attention op, whose backward writes dq, dk, dv into the qkv gradient")
-    quack_plans: bool = setting(True, "with quack's MLP: launch its two fused GEMMs through quack's prepared plans "
-                                      "(one per shape) instead of its interface functions, which re-derive every "
-                                      "launch")
+    quack_plans: bool = setting(True, "with quack's MLP: launch its GEMMs (the MLP's two fused ones, the attention "
+                                      "projections' gemm_add) through prepared plans, one per shape, instead of its "
+                                      "interface functions, which re-derive every launch")
     fa4_launch_replay: bool = setting(True, "with FlashAttention-4: after the first call of each shape, launch its "
                                              "compiled kernels directly (same kernels, same arguments), skipping "
                                              "its Python interface's per-call planning")
@@ -2269,7 +2269,7 @@ def residual_linear(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
     """residual + y wᵀ for residual, y (T, d) and w (d_out, d), bf16: one quack GEMM on a GPU."""
     if not y.is_cuda:
         return torch.addmm(residual, y, w.t())
-    return quack_gemm().gemm_add(y, w.mT, residual, tuned=False)
+    return QUACK_PLANS.gemm_add(y, w.mT, residual)
 
 
 @residual_linear.register_fake
@@ -2345,6 +2345,18 @@ def quack_gemm():
     return gemm_interface
 
 
+@functools.cache
+def quack_dispatch():
+    """quack.gemm, the layer below the interface that launches a prepared GEMM plan (run_gemm_plan)."""
+    import quack.gemm as dispatch
+    return dispatch
+
+
+def quack_version() -> str:
+    import quack
+    return getattr(quack, "__version__", "unknown")
+
+
 # quack's untuned Hopper default clusters two CTAs along M. The same 128x192 pingpong tile clustered along N instead
 # is faster for both fused GEMMs on the trainer's shapes and bit-identical (same tile, same K order); picked from
 # quack's own autotuning space (bench/quack_kernels_bench.py --sections configs) and pinned, because autotuning
@@ -2368,15 +2380,24 @@ def quack_on_this_gpu():
     return quack_gemm()
 
 
-# quack's interface functions (gemm_act, gemm_dact) derive each launch again on every call: operand unpacking, a
-# metadata key over every tensor, a cache probe, then the launch. Its epilogue objects also hand out the launch
-# prepared once for tensors of given dtypes, shapes and strides (EpiMod.plan -> EpiPlan, whose run() makes no host
-# decision), which QuackMLPPlans keeps per signature (--quack-plans): same kernels, same arguments, less CPU per call.
+# quack's interface functions (gemm_act, gemm_dact, gemm_add) derive each launch again on every call: operand
+# unpacking, a metadata key over every tensor, a cache probe, then the launch. Its epilogue objects also hand out the
+# launch prepared once for tensors of given dtypes, shapes and strides (EpiMod.plan -> EpiPlan, whose run() makes no
+# host decision), which QuackPlans keeps per signature (--quack-plans): same kernels, same arguments, less CPU per
+# call. For the plain GEMM with an added C (gemm_add), quack's untuned path itself returns the plan of its dispatch
+# layer, which quack.gemm.run_gemm_plan launches; the trainer replays it only where quack's own warm path would launch
+# it with the same arguments (the release it was checked against, Hopper or newer, no swapped operands, no split K,
+# no dynamic scheduler), and calls gemm_add otherwise. Without CUDA graphs (several GPUs), the host time per
+# micro-batch is what stage 1 waits for.
+QUACK_GEMM_ADD_REPLAY_VERSION = "0.6.5"
 
-class QuackMLPPlans:
+
+class QuackPlans:
     def __init__(self):
         self.enabled = False
-        self.plans = {}  # (which GEMM, dtype, shape and strides of each input) -> (quack EpiPlan, needs semaphore)
+        # (which GEMM, dtype, shape and strides of each input) -> (quack EpiPlan, needs semaphore) for the MLP's
+        # fused GEMMs; -> quack's dispatch plan, or None where gemm_add is called every time, for gemm_add
+        self.plans = {}
 
     def _plan(self, key, make_mod, A, B, C, out, dynamic_scheduler):
         entry = self.plans.get(key)
@@ -2416,6 +2437,26 @@ class QuackMLPPlans:
         plan.run(grad, w, pre, out=out, tile_count_semaphore=semaphore)
         return dpre, h
 
+    def gemm_add(self, y: Tensor, w: Tensor, c: Tensor) -> Tensor:
+        """c + y w for y (T, k), w (k, n) and c (T, n), as quack's gemm_add(y, w, c) with its default config."""
+        interface = quack_gemm()
+        if not self.enabled:
+            return interface.gemm_add(y, w, c, tuned=False)
+        key = ("add", y.dtype, y.shape, y.stride(), w.dtype, w.shape, w.stride(), c.dtype, c.shape, c.stride())
+        if key in self.plans and self.plans[key] is None:
+            return interface.gemm_add(y, w, c, tuned=False)
+        out = torch.empty_like(c)
+        if key in self.plans:
+            quack_dispatch().run_gemm_plan(self.plans[key], y, w, out, c)
+            return out
+        # The first call of a signature runs quack's own untuned path, which launches and returns its decisions.
+        config, split_k, dynamic_scheduler, plan = interface.gemm_tuned.fn(y, w, out, c, config=None)
+        replayable = (quack_version() == QUACK_GEMM_ADD_REPLAY_VERSION and y.dim() == w.dim() == c.dim() == 2
+                      and torch.cuda.get_device_capability(y.device)[0] >= 9
+                      and not config.swap_ab and split_k == 1 and not dynamic_scheduler)
+        self.plans[key] = plan if replayable else None
+        return out
+
 
 def _quack_relu2_forward_mod():
     from quack.epilogue.library import linear_act_mod
@@ -2427,7 +2468,7 @@ def _quack_relu2_backward_mod():
     return dact_mod("relu_sq")
 
 
-QUACK_PLANS = QuackMLPPlans()  # enabled by the trainer (--quack-plans)
+QUACK_PLANS = QuackPlans()  # enabled by the trainer (--quack-plans)
 
 
 @torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
@@ -3694,7 +3735,7 @@ class Runtime:
     quack_attn_proj: bool = False     # residual_linear: attention output projection + residual in one quack GEMM
     fused_qk_norm_rope: bool = False  # fa4_qkv: q/k norm + rotary fused into the FlashAttention-4 op
     fa4_launch_replay: bool = False   # FA4_LAUNCHES: replay FlashAttention-4's recorded launches
-    quack_plans: bool = False         # QUACK_PLANS: quack's MLP GEMMs through its prepared plans
+    quack_plans: bool = False         # QUACK_PLANS: quack's GEMMs through its prepared plans
     trunk_graphs: int = 1             # compiled graphs the trunk is split into (GPT.trunk_bounds)
     parallel_compile: bool = False    # compile workers were started for the jobs beyond this process's first
     cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)

@@ -1,5 +1,6 @@
 """The ReLU² MLP's kernel choice: quack's fused GEMM op (wired through a float64 stand-in for quack here) against
-the Inductor formula, its fakes for torch.compile, and the opt-in dispatch with its one-line errors."""
+the Inductor formula, its fakes for torch.compile, the opt-in dispatch with its one-line errors, and quack's
+prepared plans (the MLP's GEMMs and the attention projections' gemm_add)."""
 import sys
 import types
 
@@ -160,7 +161,7 @@ def quack_plans(monkeypatch, stand_in_quack):
     for name, module in (("quack", types.ModuleType("quack")), ("quack.epilogue", types.ModuleType("quack.epilogue")),
                          ("quack.epilogue.library", library)):
         monkeypatch.setitem(sys.modules, name, module)
-    plans = tg.QuackMLPPlans()
+    plans = tg.QuackPlans()
     plans.enabled = True
     monkeypatch.setattr(tg, "QUACK_PLANS", plans)
     _ReferenceEpilogueMods.plans = []
@@ -202,3 +203,77 @@ def test_quack_plans_is_on_by_default_with_quacks_mlp_only(monkeypatch):
     assert not tg.resolve_runtime(tg.parse_args(cpu + ["--quack-plans", "false"]), env={}).quack_plans
     monkeypatch.setattr(tg, "resolve_mlp_kernel", lambda requested, device: "inductor")
     assert not tg.resolve_runtime(tg.parse_args(cpu), env={}).quack_plans
+
+
+class _ReferenceGemmAdd:
+    """quack's gemm_add entry points as QuackPlans.gemm_add uses them: the interface function, its untuned path
+    (launches, then returns config, split K, dynamic scheduler and the dispatch layer's plan) and the dispatch
+    layer's run_gemm_plan. Every call is recorded; what it returns is set per test."""
+
+    def __init__(self, swap_ab=False, split_k=1, dynamic_scheduler=False):
+        self.calls = []
+        self.decisions = (types.SimpleNamespace(swap_ab=swap_ab), split_k, dynamic_scheduler)
+        self.gemm_tuned = types.SimpleNamespace(fn=self._tuned_fn)
+
+    def gemm_add(self, A, B, C, tuned=True):
+        self.calls.append(("interface", tuple(A.shape), tuned))
+        return C + A @ B
+
+    def _tuned_fn(self, A, B, out, C, config=None):
+        self.calls.append(("tuned_fn", tuple(A.shape), config))
+        out.copy_(C + A @ B)
+        return (*self.decisions, ("plan", tuple(A.shape)))
+
+    def run_gemm_plan(self, plan, A, B, D, C):
+        assert plan == ("plan", tuple(A.shape))  # the plan made for this signature
+        self.calls.append(("replay", tuple(A.shape)))
+        D.copy_(C + A @ B)
+
+
+@pytest.fixture
+def gemm_add_plans(monkeypatch):
+    def make(version="0.6.5", capability=(9, 0), **decisions):
+        quack = _ReferenceGemmAdd(**decisions)
+        monkeypatch.setattr(tg, "quack_gemm", lambda: quack)
+        monkeypatch.setattr(tg, "quack_dispatch", lambda: quack)
+        monkeypatch.setattr(tg, "quack_version", lambda: version)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+        plans = tg.QuackPlans()
+        plans.enabled = True
+        return plans, quack
+    return make
+
+
+def gemm_add_inputs(T, seed, k=12, n=8):
+    g = torch.Generator().manual_seed(seed)
+    y, w_out, c = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((T, k), (n, k), (T, n)))
+    return y, w_out.mT, c  # w as the (k, n) view of an (n, k) weight, as residual_linear passes it
+
+
+def test_quack_plans_replay_gemm_add_from_its_dispatch_plan_after_one_interface_call_per_shape(gemm_add_plans):
+    """--quack-plans with gemm_add: the first call of each signature runs quack's untuned path (which returns its
+    dispatch plan); later calls launch that plan directly; every result is c + y w, as the interface gives."""
+    plans, quack = gemm_add_plans()
+    for seed, T in ((0, 37), (1, 37), (2, 37), (3, 20), (4, 20)):
+        y, w, c = gemm_add_inputs(T, seed)
+        torch.testing.assert_close(plans.gemm_add(y, w, c), c + y @ w, rtol=0, atol=0)
+    assert quack.calls == [("tuned_fn", (37, 12), None), ("replay", (37, 12)), ("replay", (37, 12)),
+                           ("tuned_fn", (20, 12), None), ("replay", (20, 12))]
+    plans.enabled = False
+    y, w, c = gemm_add_inputs(37, 5)
+    torch.testing.assert_close(plans.gemm_add(y, w, c), c + y @ w, rtol=0, atol=0)
+    assert quack.calls[-1] == ("interface", (37, 12), False)  # off: quack's interface, untuned
+
+
+@pytest.mark.parametrize("setting", [dict(version="0.7.0"), dict(capability=(8, 0)), dict(swap_ab=True),
+                                     dict(split_k=2), dict(dynamic_scheduler=True)],
+                         ids=["other quack release", "pre-Hopper", "swapped operands", "split K", "dynamic scheduler"])
+def test_quack_plans_call_gemm_add_every_time_where_quacks_warm_path_would_launch_differently(gemm_add_plans, setting):
+    """Where quack's own warm path would not launch the plan with exactly these arguments (or with a quack release
+    it was not checked against), every later call goes through the interface function."""
+    plans, quack = gemm_add_plans(**setting)
+    for seed in range(3):
+        y, w, c = gemm_add_inputs(16, seed)
+        torch.testing.assert_close(plans.gemm_add(y, w, c), c + y @ w, rtol=0, atol=0)
+    assert quack.calls == [("tuned_fn", (16, 12), None), ("interface", (16, 12), False),
+                           ("interface", (16, 12), False)]
