@@ -2443,19 +2443,39 @@ class QuackPlans:
         if not self.enabled:
             return interface.gemm_add(y, w, c, tuned=False)
         key = ("add", y.dtype, y.shape, y.stride(), w.dtype, w.shape, w.stride(), c.dtype, c.shape, c.stride())
-        if key in self.plans and self.plans[key] is None:
+        plan = self.plans.get(key)
+        if isinstance(plan, str):  # the reason this signature is not replayed
             return interface.gemm_add(y, w, c, tuned=False)
         out = torch.empty_like(c)
-        if key in self.plans:
-            quack_dispatch().run_gemm_plan(self.plans[key], y, w, out, c)
+        if plan is not None:
+            quack_dispatch().run_gemm_plan(plan, y, w, out, c)
             return out
         # The first call of a signature runs quack's own untuned path, which launches and returns its decisions.
         config, split_k, dynamic_scheduler, plan = interface.gemm_tuned.fn(y, w, out, c, config=None)
-        replayable = (quack_version() == QUACK_GEMM_ADD_REPLAY_VERSION and y.dim() == w.dim() == c.dim() == 2
-                      and torch.cuda.get_device_capability(y.device)[0] >= 9
-                      and not config.swap_ab and split_k == 1 and not dynamic_scheduler)
-        self.plans[key] = plan if replayable else None
+        refusal = gemm_add_refusal(y.device, config.swap_ab, split_k, dynamic_scheduler)
+        self.plans[key] = refusal or plan
         return out
+
+    def summary(self) -> str:
+        """What the plans cover after the warm-up, and why a gemm_add signature goes through the interface."""
+        fused = sum(1 for key in self.plans if key[0] != "add")
+        adds = [plan for key, plan in self.plans.items() if key[0] == "add"]
+        refusals = sorted({plan for plan in adds if isinstance(plan, str)})
+        line = (f"quack plans: {fused} fused MLP GEMM signatures, gemm_add replayed for "
+                f"{len(adds) - sum(isinstance(p, str) for p in adds)} of {len(adds)}")
+        return line + (f" (the rest through quack's interface: {'; '.join(refusals)})" if refusals else "")
+
+
+def gemm_add_refusal(device, swap_ab: bool, split_k: int, dynamic_scheduler: bool) -> str | None:
+    """None where quack's own warm path would launch gemm_add's dispatch plan with exactly the arguments the replay
+    passes, else the reason it is not replayed."""
+    if quack_version() != QUACK_GEMM_ADD_REPLAY_VERSION:
+        return f"quack {quack_version()} is not the release the replay was checked with"
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return "the GPU is older than Hopper"
+    if swap_ab or split_k != 1 or dynamic_scheduler:
+        return "quack's config swaps operands, splits K or schedules tiles dynamically"
+    return None
 
 
 def _quack_relu2_forward_mod():
@@ -3574,6 +3594,19 @@ def compiled_graph_count() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
+def host_paths_line(rt: "Runtime") -> str | None:
+    """After the warm-up: what the kernel libraries' host-path shortcuts cover, and why any signature still goes
+    through a library's interface (a release or GPU they were not checked with)."""
+    parts = []
+    if rt.fa4_launch_replay:
+        refused = FA4_LAUNCHES.refusals()
+        parts.append(f"FlashAttention-4 launches recorded for {FA4_LAUNCHES.recorded} signatures"
+                     + (f" (not replayed: {'; '.join(refused)})" if refused else ""))
+    if rt.quack_plans:
+        parts.append(QUACK_PLANS.summary())
+    return "Host paths: " + ", ".join(parts) if parts else None
+
+
 def compile_cache_counts() -> dict:
     """This process's cache hits and misses: Inductor's compiled graphs and AOT autograd's traced ones."""
     counters = torch._dynamo.utils.counters
@@ -4285,6 +4318,8 @@ def train_run(args: Hyperparameters, cache_path, cache_loaded: bool, cache_line:
     trainer.warm_up_kernels()
     if cache_path and not cache_loaded and rt.master:
         log(save_compile_cache(cache_path))
+    if host_paths_line(rt):
+        log(host_paths_line(rt))
     before = ", ".join(f"{label} {seconds:.1f}s" for label, seconds in startup_seconds().items())
     log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
         f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs; before it: {before})")

@@ -1,6 +1,7 @@
 """The ReLU² MLP's kernel choice: quack's fused GEMM op (wired through a float64 stand-in for quack here) against
 the Inductor formula, its fakes for torch.compile, the opt-in dispatch with its one-line errors, and quack's
 prepared plans (the MLP's GEMMs and the attention projections' gemm_add)."""
+import dataclasses
 import sys
 import types
 
@@ -259,21 +260,46 @@ def test_quack_plans_replay_gemm_add_from_its_dispatch_plan_after_one_interface_
         torch.testing.assert_close(plans.gemm_add(y, w, c), c + y @ w, rtol=0, atol=0)
     assert quack.calls == [("tuned_fn", (37, 12), None), ("replay", (37, 12)), ("replay", (37, 12)),
                            ("tuned_fn", (20, 12), None), ("replay", (20, 12))]
+    assert plans.summary() == "quack plans: 0 fused MLP GEMM signatures, gemm_add replayed for 2 of 2"
     plans.enabled = False
     y, w, c = gemm_add_inputs(37, 5)
     torch.testing.assert_close(plans.gemm_add(y, w, c), c + y @ w, rtol=0, atol=0)
     assert quack.calls[-1] == ("interface", (37, 12), False)  # off: quack's interface, untuned
 
 
-@pytest.mark.parametrize("setting", [dict(version="0.7.0"), dict(capability=(8, 0)), dict(swap_ab=True),
-                                     dict(split_k=2), dict(dynamic_scheduler=True)],
-                         ids=["other quack release", "pre-Hopper", "swapped operands", "split K", "dynamic scheduler"])
-def test_quack_plans_call_gemm_add_every_time_where_quacks_warm_path_would_launch_differently(gemm_add_plans, setting):
+@pytest.mark.parametrize("setting, reason", [
+    (dict(version="0.7.0"), "quack 0.7.0 is not the release the replay was checked with"),
+    (dict(capability=(8, 0)), "the GPU is older than Hopper"),
+    (dict(swap_ab=True), "swaps operands"), (dict(split_k=2), "splits K"),
+    (dict(dynamic_scheduler=True), "schedules tiles dynamically")],
+    ids=["other quack release", "pre-Hopper", "swapped operands", "split K", "dynamic scheduler"])
+def test_quack_plans_call_gemm_add_every_time_where_quacks_warm_path_would_launch_differently(gemm_add_plans, setting,
+                                                                                              reason):
     """Where quack's own warm path would not launch the plan with exactly these arguments (or with a quack release
-    it was not checked against), every later call goes through the interface function."""
+    it was not checked against), every later call goes through the interface function, and the summary says why."""
     plans, quack = gemm_add_plans(**setting)
     for seed in range(3):
         y, w, c = gemm_add_inputs(16, seed)
         torch.testing.assert_close(plans.gemm_add(y, w, c), c + y @ w, rtol=0, atol=0)
     assert quack.calls == [("tuned_fn", (16, 12), None), ("interface", (16, 12), False),
                            ("interface", (16, 12), False)]
+    assert "gemm_add replayed for 0 of 1 (the rest through quack's interface: " in plans.summary()
+    assert reason in plans.summary()
+
+
+def test_host_paths_line_names_what_the_library_shortcuts_cover_and_why_not(gemm_add_plans, monkeypatch):
+    """The log line after the warm-up: FA4's recorded signatures with any refusal, and the quack plans' summary;
+    nothing when neither shortcut is on."""
+    plans, _ = gemm_add_plans(version="0.7.0")
+    monkeypatch.setattr(tg, "QUACK_PLANS", plans)
+    plans.gemm_add(*gemm_add_inputs(16, 0))
+    replay = tg.KernelLaunchReplay(lambda: [], lambda: "flash-attn-4 9.9 is not checked")
+    replay.enabled = True
+    replay.run(lambda: torch.zeros(1), (torch.zeros(2),), ("forward",))
+    monkeypatch.setattr(tg, "FA4_LAUNCHES", replay)
+    rt = tg.resolve_runtime(tg.parse_args(["--device", "cpu", "--compile", "off"]), env={})
+    assert tg.host_paths_line(rt) is None
+    line = tg.host_paths_line(dataclasses.replace(rt, fa4_launch_replay=True, quack_plans=True))
+    assert line == ("Host paths: FlashAttention-4 launches recorded for 1 signatures (not replayed: flash-attn-4 9.9 "
+                    "is not checked), quack plans: 0 fused MLP GEMM signatures, gemm_add replayed for 0 of 1 (the "
+                    "rest through quack's interface: quack 0.7.0 is not the release the replay was checked with)")
