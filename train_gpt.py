@@ -4321,8 +4321,11 @@ def train_run(args: Hyperparameters, cache_path, cache_loaded: bool, cache_line:
     if host_paths_line(rt):
         log(host_paths_line(rt))
     before = ", ".join(f"{label} {seconds:.1f}s" for label, seconds in startup_seconds().items())
+    caches = compile_cache_counts()
     log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
-        f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs; before it: {before})")
+        f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs, Inductor's cache "
+        f"{caches['inductor']['hits']} hits and {caches['inductor']['misses']} misses, AOTAutograd's "
+        f"{caches['aot_autograd']['hits']} and {caches['aot_autograd']['misses']}; before it: {before})")
     result = trainer.train()
     if dist.is_initialized() and rt.world_size > 1:
         same = replicas_identical(trainer.model)
