@@ -4129,6 +4129,21 @@ def save_compile_cache(path: Path) -> str:
     return f"compile cache: wrote {path} ({path.stat().st_size / 2**20:.1f} MB, {files} kernel-cache files)"
 
 
+def compile_cache_after_warm_up(path: Path | None, loaded: bool) -> str:
+    """After the warm-up (rank 0): write the bundle where none matched, and rewrite a loaded one that lacked graphs
+    this run had to compile (written by an earlier version of the script, or with settings that change a graph):
+    kept as it was, it would make every later start compile them again. Returns the log line ("" for none)."""
+    if path is None:
+        return ""
+    if not loaded:
+        return save_compile_cache(path)
+    misses = compile_cache_misses()
+    if misses == 0:
+        return ""
+    return (f"compile cache: {path} lacked {misses} graph(s) this run compiled (the script or a setting that changes "
+            f"a graph differs from the run that wrote it); " + save_compile_cache(path).removeprefix("compile cache: "))
+
+
 def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
     """(bundle path or None, loaded, line for the log), before anything compiles; run() and bench/bench.py share it."""
     default_kernel_cache_dirs()  # FA4 and quack read theirs at import: before resolve_runtime imports them
@@ -4316,8 +4331,9 @@ def train_run(args: Hyperparameters, cache_path, cache_loaded: bool, cache_line:
         log(cache_line)
     t_warm = time.time()
     trainer.warm_up_kernels()
-    if cache_path and not cache_loaded and rt.master:
-        log(save_compile_cache(cache_path))
+    cache_note = compile_cache_after_warm_up(cache_path, cache_loaded) if rt.master else ""
+    if cache_note:
+        log(cache_note)
     if host_paths_line(rt):
         log(host_paths_line(rt))
     before = ", ".join(f"{label} {seconds:.1f}s" for label, seconds in startup_seconds().items())

@@ -449,8 +449,9 @@ def main(argv=None) -> int:
         if workers is not None:
             workers.stop()
     this_process_s = time.time() - tg.PROCESS_START - data_s
-    if cache_path and not cache_loaded:  # written after the clock stops: a later start pays for it, not this one
-        cache_line = (cache_line + "; " if cache_line else "") + tg.save_compile_cache(cache_path)
+    cache_note = tg.compile_cache_after_warm_up(cache_path, cache_loaded)  # after the clock stops, as the trainer
+    if cache_note:
+        cache_line = (cache_line + "; " if cache_line else "") + cache_note
     cold = dict(this_process_s=this_process_s, synthetic_data_s=data_s, warm_up_s=warm_up_s,
                 cache_present_at_start=cache_present, cache_dir=str(cache), cache_mb_after=folder_mb(cache),
                 triton_cache_dir=os.environ.get("TRITON_CACHE_DIR", ""),

@@ -180,6 +180,47 @@ def test_startup_seconds_splits_the_time_before_the_warm_up_between_consecutive_
                                                        "model and optimizers": 0.5})
 
 
+EDITED_SCRIPT_PROCESS = r"""
+import json, sys, torch
+from pathlib import Path
+from torch._dynamo.utils import counters
+import train_gpt as tg
+graphs, bundle = sys.argv[1].split(","), Path(sys.argv[2])
+loaded, line = tg.load_compile_cache(bundle)
+functions = {"sin": lambda x: (x.sin() * 3).sum(), "cos": lambda x: (x.cos() + 1).sum()}
+for name in graphs:
+    torch.compile(functions[name], dynamic=False)(torch.randn(32))
+note = tg.compile_cache_after_warm_up(bundle, loaded)
+print("RESULT=" + json.dumps(dict(loaded=loaded, note=note, misses=counters["inductor"]["fxgraph_cache_miss"])))
+"""
+
+
+@pytest.mark.slow
+def test_a_bundle_that_lacked_graphs_the_run_compiled_is_rewritten_with_them(tmp_path):
+    """After the script gains a graph, a run given the old bundle compiles it and rewrites the bundle with every
+    graph it used, so the next fresh start compiles nothing; a bundle that had them all is left alone."""
+    bundle = tmp_path / "bundle.zip"
+
+    def fresh_run(graphs, k):
+        dirs = {var: str(tmp_path / f"{var}_{k}") for var in ("TORCHINDUCTOR_CACHE_DIR", *tg.COMPILE_CACHE_DIRS)}
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", **dirs)
+        r = subprocess.run([sys.executable, "-c", EDITED_SCRIPT_PROCESS, graphs, str(bundle)], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT="))[len("RESULT="):])
+
+    first = fresh_run("sin", 1)
+    assert not first["loaded"] and first["note"].startswith(f"compile cache: wrote {bundle}")
+    edited = fresh_run("sin,cos", 2)
+    assert edited["loaded"] and edited["misses"] == 1
+    assert edited["note"].startswith(f"compile cache: {bundle} lacked 1 graph(s) this run compiled")
+    assert f"; wrote {bundle}" in edited["note"]
+    written = bundle.read_bytes()
+    again = fresh_run("sin,cos", 3)
+    assert again == dict(loaded=True, note="", misses=0)
+    assert bundle.read_bytes() == written
+
+
 def test_missing_bundle_is_reported_and_will_be_written(tmp_path):
     loaded, line = tg.load_compile_cache(tmp_path / "none.zip")
     assert not loaded and "not found" in line and "written after the warm-up" in line
