@@ -1,0 +1,28 @@
+#!/bin/bash
+# Device machine M4, call 2: train_gpt.py's own start-up with a compile-cache bundle on one fresh machine, every
+# compile cache wiped before each run: A fresh (writes bundle A), B with bundle A (same script), C with M1's bundle
+# (written by bench.py from an earlier version of the script), D as C without torchrun.
+set -u
+W=/tmp/w; mkdir -p $W
+trap 'tar czf $OUT/M4.tgz -C $W . ; ls -la $OUT' EXIT
+source bench/fa4_env.sh install > $W/M4_install.txt 2>&1; tail -1 $W/M4_install.txt
+python3 -c "import sys; sys.path.insert(0, 'tests'); from proxy_shards import build_shards
+build_shards('/tmp/synth', train_shards=1, tokens_per_train_shard=2_000_000, val_tokens=1_100_000)"
+cp .carry/bundle/bundle.zip /tmp/bundle_M1.zip
+run() {
+  label=$1; bundle=$2; shift 2
+  rm -rf /tmp/c_* ~/.triton
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/c_$label/inductor TRITON_CACHE_DIR=/tmp/c_$label/triton \
+         FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/c_$label/fa4 QUACK_CACHE_DIR=/tmp/c_$label/quack PYTHONUNBUFFERED=1
+  timeout 280 "$@" train_gpt.py --data-path /tmp/synth --num-scheduled-iterations 30 --num-extension-iterations 3 \
+      --val-loss-every 0 --val-batch-size 524288 --val-tokens 1048576 --train-epochs 10 --seed 1 \
+      --compile-cache $bundle --run-id M4_$label --log-dir $W > $W/M4_${label}_console.txt 2>&1
+  echo "$label: exit $?"
+  grep -E "^compile cache|^warm-up: (compiled|train steps for batch 131072)|^Kernel warm-up|^summary" \
+      $W/M4_${label}_console.txt | cut -c1-330
+}
+run A /tmp/bundle_A.zip python3 -m torch.distributed.run --standalone --nproc_per_node=1
+run B /tmp/bundle_A.zip python3 -m torch.distributed.run --standalone --nproc_per_node=1
+run C /tmp/bundle_M1.zip python3 -m torch.distributed.run --standalone --nproc_per_node=1
+run D /tmp/bundle_M1.zip python3
+ls -la /tmp/bundle_A.zip
