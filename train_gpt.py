@@ -2396,7 +2396,7 @@ class QuackPlans:
     def __init__(self):
         self.enabled = False
         # (which GEMM, dtype, shape and strides of each input) -> (quack EpiPlan, needs semaphore) for the MLP's
-        # fused GEMMs; -> quack's dispatch plan, or None where gemm_add is called every time, for gemm_add
+        # fused GEMMs; -> quack's dispatch plan, or the reason it is not replayed, for gemm_add
         self.plans = {}
 
     def _plan(self, key, make_mod, A, B, C, out, dynamic_scheduler):
@@ -4334,8 +4334,9 @@ def train_run(args: Hyperparameters, cache_path, cache_loaded: bool, cache_line:
     cache_note = compile_cache_after_warm_up(cache_path, cache_loaded) if rt.master else ""
     if cache_note:
         log(cache_note)
-    if host_paths_line(rt):
-        log(host_paths_line(rt))
+    host_paths = host_paths_line(rt)
+    if host_paths:
+        log(host_paths)
     before = ", ".join(f"{label} {seconds:.1f}s" for label, seconds in startup_seconds().items())
     caches = compile_cache_counts()
     log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
