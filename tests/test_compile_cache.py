@@ -29,14 +29,19 @@ print("RESULT=" + json.dumps(dict(loaded=loaded, line=line, saved=saved, hits=co
 """
 
 
-def run_process(mode, bundle, inductor_dir, kernel_dir, quack_dir, triton_dir):
-    env = dict(os.environ, PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
-               FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(kernel_dir), QUACK_CACHE_DIR=str(quack_dir),
-               TRITON_CACHE_DIR=str(triton_dir), PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-c", PROCESS, mode, str(bundle)], env=env, capture_output=True, text=True,
+def run_script(script: str, args: list, **cache_dirs):
+    """Run `script` in a fresh Python process with these cache-folder variables; returns its RESULT= JSON."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", **{k: str(v) for k, v in cache_dirs.items()})
+    r = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT="))[len("RESULT="):])
+
+
+def run_process(mode, bundle, inductor_dir, kernel_dir, quack_dir, triton_dir):
+    return run_script(PROCESS, [mode, bundle], TORCHINDUCTOR_CACHE_DIR=inductor_dir,
+                      FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=kernel_dir, QUACK_CACHE_DIR=quack_dir,
+                      TRITON_CACHE_DIR=triton_dir)
 
 
 def fake_triton_entry(folder: Path, key: str, kernel: str) -> None:
@@ -104,12 +109,8 @@ def test_autotuning_results_are_also_placed_where_the_bundles_kernels_look_for_t
     bundle = tmp_path / "bundle.zip"
 
     def run(mode, inductor_dir):
-        env = dict(os.environ, PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(inductor_dir), PYTHONWARNINGS="ignore",
-                   TRITON_CACHE_DIR=str(tmp_path / f"triton_{mode}"))
-        r = subprocess.run([sys.executable, "-c", AUTOTUNE_PROCESS, mode, str(bundle)], env=env, capture_output=True,
-                           text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT="))[len("RESULT="):])
+        return run_script(AUTOTUNE_PROCESS, [mode, bundle], TORCHINDUCTOR_CACHE_DIR=inductor_dir,
+                          TRITON_CACHE_DIR=tmp_path / f"triton_{mode}")
 
     origin, here = tmp_path / "machine_a" / "inductor", tmp_path / "machine_b" / "inductor"
     assert "wrote" in run("save", origin)
@@ -202,12 +203,8 @@ def test_a_bundle_that_lacked_graphs_the_run_compiled_is_rewritten_with_them(tmp
     bundle = tmp_path / "bundle.zip"
 
     def fresh_run(graphs, k):
-        dirs = {var: str(tmp_path / f"{var}_{k}") for var in ("TORCHINDUCTOR_CACHE_DIR", *tg.COMPILE_CACHE_DIRS)}
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", **dirs)
-        r = subprocess.run([sys.executable, "-c", EDITED_SCRIPT_PROCESS, graphs, str(bundle)], env=env,
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT="))[len("RESULT="):])
+        return run_script(EDITED_SCRIPT_PROCESS, [graphs, bundle],
+                          **{var: tmp_path / f"{var}_{k}" for var in ("TORCHINDUCTOR_CACHE_DIR", *tg.COMPILE_CACHE_DIRS)})
 
     first = fresh_run("sin", 1)
     assert not first["loaded"] and first["note"].startswith(f"compile cache: wrote {bundle}")
