@@ -2460,17 +2460,18 @@ class QuackPlans:
         """What the plans cover after the warm-up, and why a gemm_add signature goes through the interface."""
         fused = sum(1 for key in self.plans if key[0] != "add")
         adds = [plan for key, plan in self.plans.items() if key[0] == "add"]
-        refusals = sorted({plan for plan in adds if isinstance(plan, str)})
+        refused = [plan for plan in adds if isinstance(plan, str)]
         line = (f"quack plans: {fused} fused MLP GEMM signatures, gemm_add replayed for "
-                f"{len(adds) - sum(isinstance(p, str) for p in adds)} of {len(adds)}")
-        return line + (f" (the rest through quack's interface: {'; '.join(refusals)})" if refusals else "")
+                f"{len(adds) - len(refused)} of {len(adds)}")
+        return line + (f" (the rest through quack's interface: {'; '.join(sorted(set(refused)))})" if refused else "")
 
 
 def gemm_add_refusal(device, swap_ab: bool, split_k: int, dynamic_scheduler: bool) -> str | None:
     """None where quack's own warm path would launch gemm_add's dispatch plan with exactly the arguments the replay
     passes, else the reason it is not replayed."""
-    if quack_version() != QUACK_GEMM_ADD_REPLAY_VERSION:
-        return f"quack {quack_version()} is not the release the replay was checked with"
+    version = quack_version()
+    if version != QUACK_GEMM_ADD_REPLAY_VERSION:
+        return f"quack {version} is not the release the replay was checked with"
     if torch.cuda.get_device_capability(device)[0] < 9:
         return "the GPU is older than Hopper"
     if swap_ab or split_k != 1 or dynamic_scheduler:
