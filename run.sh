@@ -15,9 +15,11 @@ On a Linux machine with NVIDIA GPUs and internet:
                                   FlashAttention-4 and quack-kernels; skipped where they do not install)
 
 On any machine, GPU or not:
-  ./run.sh setup-cpu              CPU torch (from download.pytorch.org/whl/cpu), then requirements-dev.txt
-                                  (runtime packages + pytest); TORCH_CPU_SPEC / TORCH_CPU_INDEX override
-                                  the torch requirement and its index (TORCH_CPU_INDEX= : pip's default)
+  ./run.sh setup-cpu              a CPU build of torch, then requirements-dev.txt (runtime packages + pytest).
+                                  Keeps an installed torch >= 2.10; else installs from download.pytorch.org/whl/cpu,
+                                  or where that is unreachable, the CPU build pip finds elsewhere (never a CUDA
+                                  build: exit 2 if there is none). TORCH_CPU_SPEC / TORCH_CPU_INDEX skip all that
+                                  and set the torch requirement and its index (TORCH_CPU_INDEX= : pip's default)
   ./run.sh test [PYTEST_ARGS...]  the test suite on the CPU (python -m pytest -q tests); needs no GPU and
                                   no network, only `./run.sh setup-cpu` (or requirements-dev.txt) first
   ./run.sh proxy [CORPUS_DIR]     build data/proxy/ shards from CORPUS_DIR/{train,val}.jsonl.xz (offline;
@@ -25,6 +27,7 @@ On any machine, GPU or not:
                                   e.g. on a CPU: torchrun --standalone --nproc_per_node=2 train_gpt.py --smoke --data-path data/proxy
   ./run.sh record NAME N [OPTIONS] [TRAIN_ARGS...]
                                   run the trainer N times, collect the logs into records/<date>_NAME
+                                  (--not-a-record: into logs/not_records/<date>_NAME, no records row)
                                   (python3 records/compare.py run --help lists the OPTIONS)
   ./run.sh help | -h | --help     this text
 
@@ -154,13 +157,98 @@ train() {
     launch "$@"
 }
 
+CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+pip_install() {
+    "$PY" -m pip install --disable-pip-version-check "$@"
+}
+
+torch_pick() {  # torch_pick [PIP_ARGS...]: "VERSION<tab>BUILD<tab>SOURCE" of the torch>=2.10 pip would install
+    # BUILD: cpu, cuda (it requires nvidia-* packages or has a +cu label) or another local label (rocm6.2, xpu);
+    # SOURCE: the wheel's path for a local file, else its URL. Nothing is installed: a dry run writes a report.
+    local report rc=0
+    report=$(mktemp)
+    pip_install --dry-run --quiet --report "$report" --no-deps --ignore-installed "$@" "torch>=2.10" >&2 &&
+        "$PY" -c 'import json, re, sys, urllib.parse, urllib.request  # torch_pick
+picks = [i for i in json.load(open(sys.argv[1]))["install"] if i["metadata"]["name"].lower() == "torch"]
+if not picks:
+    sys.exit(1)
+meta, url = picks[0]["metadata"], picks[0]["download_info"]["url"]
+label = meta["version"].partition("+")[2].lower()
+nvidia = any(re.match(r"nvidia[-_.]", r, re.I) for r in meta.get("requires_dist") or [])
+build = "cuda" if nvidia or label.startswith("cu") else "cpu" if label in ("", "cpu") or label.startswith("cpu") else label
+parts = urllib.parse.urlsplit(url)
+print(meta["version"], build, urllib.request.url2pathname(parts.path) if parts.scheme == "file" else url, sep="\t")' \
+        "$report" || rc=1
+    rm -f "$report"
+    return $rc
+}
+
+install_cpu_torch() {  # the detection of setup-cpu: keep, CPU index, or a CPU build pip finds; never a CUDA build
+    local kept why pick version build source offer
+    # 1. A torch that satisfies requirements.txt stays (compared as pip compares, pre-releases included): pip will
+    # not touch it either.
+    kept=$("$PY" -c 'import torch  # torch_to_keep
+from pip._vendor.packaging.specifiers import SpecifierSet
+if SpecifierSet(">=2.10").contains(torch.__version__, prereleases=True):
+    print(torch.__version__)' 2>/dev/null) || kept=""
+    if [ -n "$kept" ]; then
+        echo "run.sh: keeping the installed torch $kept (requirements.txt asks for >= 2.10)"
+        return
+    fi
+    # 2. PyTorch's CPU index, asked once with a 5 s limit (DNS included): where it is unreachable, pip would retry
+    # it for minutes.
+    if why=$("$PY" -c 'import os, sys, threading, urllib.request  # cpu_index_probe
+why = []
+def probe():
+    try:
+        urllib.request.urlopen(sys.argv[1], timeout=5).close()
+        why.append("")
+    except Exception as e:
+        why.append(str(getattr(e, "reason", e)) or type(e).__name__)
+thread = threading.Thread(target=probe, daemon=True)
+thread.start()
+thread.join(5)
+print(why[0] if why else "no answer within 5 s"); sys.stdout.flush()
+os._exit(0 if why and not why[0] else 1)' "$CPU_INDEX/torch/"); then
+        echo "run.sh: installing torch from $CPU_INDEX (the CPU build)"
+        pip_install torch --index-url "$CPU_INDEX"
+        return
+    fi
+    # 3. Without that index, pip's configured sources on Linux x86_64 usually offer PyPI's torch, the CUDA build.
+    # Then only local wheels (pip's find-links) are asked, and a CPU build there is installed as that very file
+    # (with --no-index its dependencies could not be found).
+    pick=$(torch_pick) || pick=""
+    IFS=$'\t' read -r version build source <<<"$pick" || true
+    if [ "$build" = cpu ]; then
+        echo "run.sh: download.pytorch.org unreachable ($why); installing torch $version found by pip (a CPU build)"
+        pip_install "torch==$version"
+        return
+    fi
+    offer="pip finds no torch>=2.10 here"
+    [ -z "$pick" ] || offer="pip offers only a $([ "$build" = cuda ] && echo CUDA || echo non-CPU) build here (torch $version)"
+    pick=$(torch_pick --no-index 2>/dev/null) || pick=""
+    IFS=$'\t' read -r version build source <<<"$pick" || true
+    if [ "$build" = cpu ]; then
+        echo "run.sh: download.pytorch.org unreachable ($why) and $offer; installing the CPU build torch $version from pip's local wheels ($source)"
+        pip_install "$source"
+        return
+    fi
+    die 2 "download.pytorch.org is unreachable ($why) and $offer; setup-cpu never installs a CUDA build. Install a CPU build of torch yourself, e.g. $PY -m pip install torch --index-url $CPU_INDEX where that index is reachable, or $PY -m pip install /path/to/torch-*+cpu*.whl, then rerun ./run.sh setup-cpu (it keeps that torch)"
+}
+
 setup_cpu() {
-    # A plain `pip install torch` on Linux pulls the multi-GB CUDA build; the CPU wheel comes from PyTorch's CPU
-    # index. CI (no access to that index) sets TORCH_CPU_SPEC=torch==2.13.0 TORCH_CPU_INDEX= to take a local wheel.
-    local spec=${TORCH_CPU_SPEC:-torch} index=${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}
-    echo "run.sh: installing CPU torch ($spec${index:+ from $index}) and requirements-dev.txt into $("$PY" -c 'import sys; print(sys.prefix)')"
-    "$PY" -m pip install --disable-pip-version-check "$spec" ${index:+--index-url "$index"}
-    "$PY" -m pip install --disable-pip-version-check -r requirements-dev.txt
+    # A plain `pip install torch` on Linux x86_64 pulls PyPI's multi-GB CUDA build, so the torch step is
+    # install_cpu_torch, unless TORCH_CPU_SPEC or TORCH_CPU_INDEX is set: then exactly that is installed.
+    echo "run.sh: installing CPU torch and requirements-dev.txt into $("$PY" -c 'import sys; print(sys.prefix)')"
+    if [ -n "${TORCH_CPU_SPEC:-}" ] || [ -n "${TORCH_CPU_INDEX+set}" ]; then
+        local spec=${TORCH_CPU_SPEC:-torch} index=${TORCH_CPU_INDEX-$CPU_INDEX}
+        echo "run.sh: installing $spec${index:+ from $index} (TORCH_CPU_SPEC / TORCH_CPU_INDEX)"
+        pip_install "$spec" ${index:+--index-url "$index"}
+    else
+        install_cpu_torch
+    fi
+    pip_install -r requirements-dev.txt
     "$PY" -c 'import torch, triton, pytest; print("run.sh: CPU test environment ready: torch", torch.__version__, "triton", triton.__version__, "pytest", pytest.__version__)'
 }
 
@@ -179,7 +267,7 @@ proxy() {
     [ $# -le 1 ] || die 2 "proxy takes one argument, the corpus folder (got $#); usage: ./run.sh proxy [CORPUS_DIR]"
     local corpus=${1:-../shared/corpus}
     if [ ! -f "$corpus/train.jsonl.xz" ] || [ ! -f "$corpus/val.jsonl.xz" ]; then
-        die 2 "no train.jsonl.xz and val.jsonl.xz in '$corpus'; pass the folder that holds them: ./run.sh proxy CORPUS_DIR"
+        die 2 "no train.jsonl.xz and val.jsonl.xz in '$corpus'; pass the folder that holds them: ./run.sh proxy CORPUS_DIR (a corpus: those two files, one JSON object per line with a \"text\" field; from plain .txt files instead: $PY data/fineweb.py --input TRAIN.txt --val-input VAL.txt --txt-docs-sep --out-dir data/proxy)"
     fi
     exec "$PY" data/fineweb.py --input "$corpus/train.jsonl.xz" --val-input "$corpus/val.jsonl.xz" --out-dir data/proxy
 }

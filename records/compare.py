@@ -4,9 +4,9 @@
   python records/compare.py summary SET... [--target 3.28]
   python records/compare.py compare NEW PRIOR [--target 3.28]
   python records/compare.py diff NEW PRIOR                         (log, .py file, or a folder with one log)
-  python records/compare.py plot NEW [PRIOR] -o OUT.png
-  python records/compare.py new NAME SET... [--description TEXT] [--not-a-record] [--force] ...
-  python records/compare.py run NAME N [--nproc K] [--not-a-record] ... [--] [TRAIN_ARGS...]
+  python records/compare.py plot NEW [PRIOR] -o OUT.png                (or .pdf, .svg, ...)
+  python records/compare.py new NAME SET... [--description TEXT] [--not-a-record] [--out DIR] [--force] ...
+  python records/compare.py run NAME N [--nproc K] [--not-a-record] [--out DIR] ... [--] [TRAIN_ARGS...]
 
 A SET (also NEW, PRIOR) is a log file, a folder (its *.txt files) or a comma-separated list of logs.
 A run counts only if its log ends with the final validation line `step:N/N val_loss:...`; any other
@@ -589,10 +589,32 @@ def plot_figure(sets: list[SetStats], title: str | None = None):
     return fig
 
 
-def make_plot(sets: list[SetStats], out: Path | str, title: str | None = None) -> Path:
+def plot_target(out: Path | str) -> Path:
+    """out, checked: its folder exists (a typo must not create folders) and matplotlib writes its suffix."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    plot_figure(sets, title).savefig(out, format="png")
+    if not out.parent.is_dir():
+        what = "is not a folder" if out.parent.exists() else "does not exist"
+        raise UsageError(f"-o {out}: the folder {out.parent} {what}; create it or pick another path; nothing written")
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix[1:].lower() not in kinds:
+        got = f"'{out.suffix}' is not an image format matplotlib writes" if out.suffix else "no suffix names the format"
+        raise UsageError(f"-o {out}: {got}; end the name in .png, .pdf or .svg (or another suffix matplotlib "
+                         "writes, e.g. .jpg, .eps); nothing written")
+    return out
+
+
+def make_plot(sets: list[SetStats], out: Path | str, title: str | None = None) -> Path:
+    """Write the plot to out in the format its suffix names. Written aside and renamed, so a writer that fails
+    halfway (e.g. .pgf without LaTeX) leaves no partial file."""
+    out = plot_target(out)
+    tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}{out.suffix}")  # same suffix: matplotlib infers the format
+    try:
+        plot_figure(sets, title).savefig(tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 
@@ -620,27 +642,40 @@ def append_record_row(readme: Path, row: str, link: str) -> None:
     os.replace(tmp, readme)
 
 
-def record_folder(records_dir, name: str, date: str | None, force: bool) -> Path:
-    """records_dir/<date>_<name>, after checking the name, the date and that it is free (or --force)."""
+def default_out(not_a_record: bool) -> Path:
+    """Where the run's folder goes without --out (read at call time, so tests can move REPO_ROOT)."""
+    return REPO_ROOT / ("logs/not_records" if not_a_record else "records")
+
+
+def record_folder(out_dir, name: str, date: str | None, force: bool, not_a_record: bool = False) -> Path:
+    """out_dir/<date>_<name> (out_dir None: default_out), after checking the name, the date, that it is free (or
+    --force) and that a non-record stays out of records/."""
+    out_dir = Path(out_dir) if out_dir is not None else default_out(not_a_record)
+    records = REPO_ROOT / "records"
+    if not_a_record and records.resolve() in (out_dir.resolve(), *out_dir.resolve().parents):
+        raise UsageError(f"--out {out_dir}: with --not-a-record the runs stay out of {records} (that folder holds "
+                         f"records only); leave --out out to use {default_out(True)}, or pick another folder")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise UsageError(f"record name {name!r}: use letters, digits, '.', '_' or '-' (starting with a letter or digit)")
     try:
         _dt.date.fromisoformat(date)
     except (TypeError, ValueError):
         raise UsageError(f"--date {date!r}: give the date as YYYY-MM-DD") from None
-    folder = Path(records_dir) / f"{date}_{name}"
+    folder = out_dir / f"{date}_{name}"
     if folder.exists() and not force:
         raise UsageError(f"{folder} already exists: pick another NAME, or add --force to replace it")
     return folder
 
 
-def new_record(name, specs, records_dir, description=None, hardware=None, force=False, date=None,
+def new_record(name, specs, out_dir=None, description=None, hardware=None, force=False, date=None,
                target=DEFAULT_TARGET, command=None, not_a_record=False) -> Path:
-    """Create records_dir/<date>_<name>/ (logs, README.md, plot.png) and add its row to records_dir/README.md.
-    Refuses runs that are not record attempts unless not_a_record; then README and row say so. The folder is
-    built aside and moved into place, so a failure leaves neither a half-written folder nor a row."""
+    """Create out_dir/<date>_<name>/ (logs, README.md, plot.png); for a record, add its row to out_dir/README.md.
+    Refuses runs that are not record attempts unless not_a_record: then the folder (default logs/not_records/)
+    is labelled in its README and no table gets a row. The folder is built aside and moved into place, so a
+    failure leaves neither a half-written folder nor a row."""
     date = date or _dt.date.today().isoformat()
-    folder = record_folder(records_dir, name, date, force)
+    folder = record_folder(out_dir, name, date, force, not_a_record)
+    out_dir = folder.parent
     s = load_set(specs, target, label=folder.name)
     for line in skipped_lines(s):
         print(line)
@@ -649,14 +684,14 @@ def new_record(name, specs, records_dir, description=None, hardware=None, force=
     problems = run_problems(s.runs)
     if problems and not not_a_record:
         raise UsageError(f"not a record ({', '.join(problems)}); nothing recorded. Add --not-a-record to file "
-                         "it with that label, or keep it out of records/ (records/README.md says what counts)")
-    label = f"(not a record: {', '.join(problems or ['marked --not-a-record'])}) " if not_a_record else ""
+                         "it, labelled, under logs/not_records/ (records/README.md says what counts)")
+    why = ", ".join(problems or ["marked --not-a-record"])
     (lm, _), (tm, _) = s.loss_ms(), s.time_ms()
     hw = hardware or ", ".join(sorted({r.hardware for r in s.runs}))
     copied = []
     for i, r in enumerate(s.runs):
         copied.append(r.name if r.name not in copied else f"{i:02d}_{r.name}")
-    readme = [f"# {name}", ""] + ([f"**Not a record**: {', '.join(problems)}.", ""] if label else []) + [
+    readme = [f"# {name}", ""] + ([f"**Not a record**: {why}.", ""] if not_a_record else []) + [
         f"Date: {date} · Hardware: {hw} · Runs: {s.n} · Mean time: {tm:.3f} s ({tm / 60:.3f} min) · "
         f"Mean val loss: {lm:.4f} · p(loss < {target}) = {fp(s.p)}", "",
         "## What changed", "",
@@ -666,10 +701,9 @@ def new_record(name, specs, records_dir, description=None, hardware=None, force=
         "## Reproduce", "", "```",
         command or f"TODO: the command that made these runs, e.g. ./run.sh record {name} {s.n} --nproc 8 -- TRAIN_ARGS",
         "```", "", "## Logs", ""] + [f"- [{c}]({c})" for c in copied]
-    records_dir = Path(records_dir)
-    records_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.new-", dir=records_dir))
-    old, placed = records_dir / f".{folder.name}.old-{os.getpid()}", False
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.new-", dir=out_dir))
+    old, placed = out_dir / f".{folder.name}.old-{os.getpid()}", False
     try:
         for r, dest in zip(s.runs, copied):
             shutil.copy2(r.path, tmp / dest)
@@ -680,9 +714,10 @@ def new_record(name, specs, records_dir, description=None, hardware=None, force=
         tmp.rename(folder)
         placed = True
         link = f"{folder.name}/README.md"
-        append_record_row(records_dir / "README.md", f"| {date} | {tm:.3f} s | {lm:.4f} | {s.n} | {_md_cell(hw)} | "
-                          f"{_md_cell(label + (description or 'TODO: describe the change'))} | "
-                          f"[{folder.name}]({link}) |", link)
+        if not not_a_record:  # records/README.md lists records only
+            append_record_row(out_dir / "README.md", f"| {date} | {tm:.3f} s | {lm:.4f} | {s.n} | {_md_cell(hw)} | "
+                              f"{_md_cell(description or 'TODO: describe the change')} | [{folder.name}]({link}) |",
+                              link)
     except BaseException:  # undo: remove what was placed, put the replaced folder back
         if placed:
             shutil.rmtree(folder, ignore_errors=True)
@@ -692,8 +727,9 @@ def new_record(name, specs, records_dir, description=None, hardware=None, force=
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
-    print(f"recorded {s.n} run(s) in {folder} (mean {tm:.3f} s, val_loss {lm:.4f}){' ' + label.strip() if label else ''}"
-          f"; row added to {records_dir / 'README.md'}")
+    what = f"{s.n} run(s) in {folder} (mean {tm:.3f} s, val_loss {lm:.4f})"
+    print(f"filed {what} as not a record ({why}); no row added to {REPO_ROOT / 'records' / 'README.md'}"
+          if not_a_record else f"recorded {what}; row added to {out_dir / 'README.md'}")
     return folder
 
 
@@ -764,7 +800,7 @@ def cmd_run(args) -> int:
     if args.n < 1:
         raise UsageError(f"N = {args.n}: the number of runs must be >= 1")
     date = args.date or _dt.date.today().isoformat()
-    record_folder(args.records_dir, args.name, date, args.force)  # fail before launching anything
+    record_folder(args.out, args.name, date, args.force, args.not_a_record)  # fail before launching anything
     launcher_text = args.launcher or os.environ.get("SPEEDRUN_LAUNCHER")
     launcher = shlex.split(launcher_text) if launcher_text else [sys.executable, "-m", "torch.distributed.run",
                                                                  "--standalone"]
@@ -779,7 +815,8 @@ def cmd_run(args) -> int:
                                data_path=trainer_arg(train, "--data-path"), epochs=trainer_arg(train, "--train-epochs"))
     if problems and not args.not_a_record:
         raise UsageError(f"these runs would not be a record ({', '.join(problems)}); nothing launched. Add "
-                         "--not-a-record to run them and file them with that label (see records/README.md)")
+                         "--not-a-record to run them and file them, labelled, under logs/not_records/ "
+                         "(see records/README.md)")
     workdir = Path(args.workdir).resolve()
     cmd = launcher + [f"--nproc_per_node={nproc}", TRAINER] + train
     logs = []
@@ -797,7 +834,7 @@ def cmd_run(args) -> int:
                  + (["--launcher", launcher_text] if launcher_text else [])
                  + (["--not-a-record"] if args.not_a_record else []) + (["--", *train] if train else []))
     try:
-        new_record(args.name, logs, args.records_dir, args.description, args.hardware, args.force, date,
+        new_record(args.name, logs, args.out, args.description, args.hardware, args.force, date,
                    args.target, command=shlex.join(reproduce), not_a_record=args.not_a_record)
     except UsageError as e:
         raise UsageError(f"{e}. The logs are kept; to file them: records/compare.py new {args.name} "
@@ -819,13 +856,15 @@ class Parser(argparse.ArgumentParser):
 
 
 RECORD_OPTS = [  # options of `new` and `run`
-    ("--records-dir", dict(default=str(REPO_ROOT / "records"), help="default: this script's folder")),
+    ("--out", dict(metavar="DIR", help="folder the run's folder goes into; default records/ for a record, "
+                                       "logs/not_records/ with --not-a-record")),
     ("--description", dict(help="what changed (README and table row)")),
     ("--hardware", dict(help="hardware text for README and row (default: from the logs)")),
     ("--date", dict(help="YYYY-MM-DD (default today)")),
-    ("--force", dict(action="store_true", help="replace an existing record folder and its row")),
+    ("--force", dict(action="store_true", help="replace an existing folder of that name (and a record's row)")),
     ("--not-a-record", dict(action="store_true", help="file runs that are not a record attempt (smoke, CPU, "
-                                                      "not 8 GPUs, not 2160 steps, not FineWeb), labelled so")),
+                                                      "not 8 GPUs, not 2160 steps, not FineWeb), labelled so, "
+                                                      "outside records/ and with no row in its table")),
     ("--target", dict(type=float, default=DEFAULT_TARGET, help="val loss target (default 3.28)")),
 ]
 RUN_OPTS = [
@@ -876,17 +915,19 @@ def build_parser() -> Parser:
     sp.add_argument("logs", nargs="+", metavar="SET", help=set_help)
     sp.add_argument("--target", type=float, default=DEFAULT_TARGET, help="val loss target (default 3.28)")
     for name, hlp in (("compare", "NEW vs PRIOR: Welch t-test on time, loss target check"),
-                      ("plot", "validation loss (with a zoom on the final stretch) and step time, to a PNG")):
+                      ("plot", "validation loss (with a zoom on the final stretch) and step time, to an image")):
         sp = sub.add_parser(name, help=hlp)
         sp.add_argument("new", metavar="NEW", help=set_help)
         sp.add_argument("prior", metavar="PRIOR", nargs="?" if name == "plot" else None, help=set_help)
         sp.add_argument("--target", type=float, default=DEFAULT_TARGET, help="val loss target (default 3.28)")
         if name == "plot":
-            sp.add_argument("-o", "--output", required=True, help="the PNG file to write (required)")
+            sp.add_argument("-o", "--output", required=True, help="the image to write (required); its suffix picks "
+                                                                  "the format: .png, .pdf, .svg, ...")
     sp = sub.add_parser("diff", help="unified diff PRIOR -> NEW of the scripts embedded in two logs")
     sp.add_argument("new", metavar="NEW", help="a log, a .py file, or a folder holding exactly one log")
     sp.add_argument("prior", metavar="PRIOR", help="the same kinds as NEW")
-    sp = sub.add_parser("new", help="file logs as records/<date>_NAME and add a row to records/README.md")
+    sp = sub.add_parser("new", help="file logs as records/<date>_NAME and add a row to records/README.md "
+                                    "(--not-a-record: as logs/not_records/<date>_NAME, no row)")
     sp.add_argument("name", metavar="NAME")
     sp.add_argument("logs", nargs="+", metavar="SET", help=set_help)
     for flag, kw in RECORD_OPTS:
@@ -920,6 +961,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_plot(args) -> int:
+    plot_target(args.output)  # before reading any log
     sets = [load_set([x], args.target) for x in (args.new, args.prior) if x]
     for s, prefix in zip(sets, ("NEW ", "PRIOR ")):
         for line in skipped_lines(s, prefix):
@@ -929,8 +971,9 @@ def cmd_plot(args) -> int:
         raise UsageError("no finished runs to plot (see the SKIPPED lines); nothing written")
     try:
         print(f"wrote {make_plot(sets, args.output)}")
-    except OSError as e:
-        raise UsageError(f"-o {args.output}: cannot write it ({e.strerror or e}); give a writable .png path") from None
+    except (OSError, RuntimeError) as e:  # RuntimeError: e.g. .pgf needs a LaTeX install
+        raise UsageError(f"-o {args.output}: cannot write it ({getattr(e, 'strerror', None) or ' '.join(str(e).split())}); "
+                         "give a writable .png, .pdf or .svg path") from None
     return 0
 
 
@@ -940,7 +983,7 @@ def cmd_diff(args) -> int:
 
 
 def cmd_new(args) -> int:
-    new_record(args.name, args.logs, args.records_dir, args.description, args.hardware, args.force, args.date,
+    new_record(args.name, args.logs, args.out, args.description, args.hardware, args.force, args.date,
                args.target, not_a_record=args.not_a_record)
     return 0
 

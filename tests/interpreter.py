@@ -2,11 +2,12 @@
 tests import triton without it, so kernel tests run a script in a fresh process and read back its JSON."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,7 +17,7 @@ def run_in_triton_interpreter(script: str) -> list:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+    proc = run_group([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -2,11 +2,12 @@
 argv and environment and writes the log a training run would leave."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 PROXY_RUNS = REPO / "bench" / "proxy_runs.sh"
@@ -47,7 +48,7 @@ def stub(tmp_path):
     env.pop("PYTHON", None)
 
     def run(script, *args, **extra_env):
-        p = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=dict(env, **extra_env),
+        p = run_group(["bash", str(script), *args], cwd=tmp_path, env=dict(env, **extra_env),
                            capture_output=True, text=True, timeout=60)
         log = tmp_path / "calls.jsonl"
         calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []

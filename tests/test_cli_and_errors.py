@@ -1,7 +1,6 @@
 """Command line (every Hyperparameters field is a flag), import hygiene, and one-line user errors."""
 import dataclasses
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 import train_gpt as tg
 from proxy_shards import build_shards, write_shard
+from processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train_gpt.py"
@@ -27,7 +27,7 @@ def child_env(**extra):
 
 
 def run_script(args, cwd, env=None, timeout=120):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, env=env or child_env(),
+    return run_group([sys.executable, str(SCRIPT), *args], cwd=cwd, env=env or child_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -156,7 +156,7 @@ def test_import_has_no_side_effects(tmp_path):
     (tmp_path / "data").mkdir()
     write_shard(tmp_path / "data" / "fineweb_train_000001.bin", np.arange(10))
     before = sorted(str(p.relative_to(tmp_path)) + str(p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
-    r = subprocess.run([sys.executable, "-c", IMPORT_PROBE], cwd=tmp_path, capture_output=True, text=True,
+    r = run_group([sys.executable, "-c", IMPORT_PROBE], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120, env=child_env(PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1"))
     assert r.returncode == 0, r.stderr
     out = r.stdout.splitlines()
@@ -295,6 +295,39 @@ def test_check_validates_settings_and_data_without_training(tmp_path, good_data)
     assert_one_line_error(bad, "does not exist")
 
 
+def test_a_log_dir_that_is_a_file_is_one_line_before_anything_is_written_and_check_catches_it(tmp_path, good_data):
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    for extra, env in (((), None), (("--check",), child_env(WORLD_SIZE="2"))):
+        args = smoke_args(good_data, tmp_path, *extra)
+        args[args.index("--log-dir") + 1] = str(taken / "logs")
+        r = run_script(args, cwd=tmp_path, env=env)
+        assert_one_line_error(r, str(taken), "is a file")
+    assert taken.read_text() == "not a folder"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc, where no one may write (root neither)")
+def test_an_unwritable_log_dir_is_one_line_and_check_catches_it(tmp_path, good_data):
+    for extra in ((), ("--check",)):
+        args = smoke_args(good_data, tmp_path, *extra)
+        args[args.index("--log-dir") + 1] = "/proc/speedrun-logs"
+        r = run_script(args, cwd=tmp_path)
+        assert_one_line_error(r, "/proc/speedrun-logs", "cannot write")
+
+
+def test_the_cpu_fallback_of_a_smoke_run_is_noted_once_and_help_says_when_it_happens(tmp_path, good_data):
+    assert "else the CPU for --smoke" in tg.Hyperparameters.__dataclass_fields__["device"].metadata["help"]
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    args = smoke_args(good_data, tmp_path, "--check")
+    args.remove("--device"), args.remove("cpu")
+    r = run_script(args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("no CUDA device found") == 1, r.stderr
+    explicit = run_script(smoke_args(good_data, tmp_path, "--check"), cwd=tmp_path)
+    assert "no CUDA device" not in explicit.stderr
+
+
 def test_check_flags_validates_settings_before_any_data_exists(tmp_path):
     """What ./run.sh runs before downloading FineWeb: flags and world size only, so a typo costs no download."""
     r = run_script(smoke_args(tmp_path / "not_downloaded_yet", tmp_path, "--check-flags"), cwd=tmp_path,
@@ -314,7 +347,7 @@ def test_under_torchrun_a_bad_shard_is_reported_once_by_rank_0_and_workers_exit_
     data = copy_data(good_data, tmp_path / "d")
     bad = data / "fineweb_train_000001.bin"
     bad.write_bytes(bad.read_bytes()[:-1000])
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    r = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(SCRIPT), *smoke_args(data, tmp_path)], cwd=tmp_path, env=child_env(),
                        capture_output=True, text=True, timeout=180)
     out = r.stdout + r.stderr

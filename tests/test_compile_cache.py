@@ -2,7 +2,6 @@
 instead of compiling, and that is ignored, with one log line, whenever it does not fit."""
 import json
 import os
-import subprocess
 import sys
 import sysconfig
 import zipfile
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import train_gpt as tg
+from processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ print("RESULT=" + json.dumps(dict(loaded=loaded, line=line, saved=saved, hits=co
 def run_script(script: str, args: list, **cache_dirs):
     """Run `script` in a fresh Python process with these cache-folder variables; returns its RESULT= JSON."""
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", **{k: str(v) for k, v in cache_dirs.items()})
-    r = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
+    r = run_group([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT="))[len("RESULT="):])
@@ -258,7 +258,7 @@ def test_cold_start_clock_starts_at_process_start_so_the_imports_count():
     not train_gpt's import (here one second of sleep before the import must be inside it)."""
     code = ("import time; t0 = time.time(); time.sleep(1.0); import train_gpt as tg; "
             "print(tg.PROCESS_START - t0, time.time() - tg.PROCESS_START)")
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
+    r = run_group([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     before_t0, elapsed = map(float, r.stdout.split())

@@ -3,11 +3,12 @@ bad input path is one line on stderr and exit status 2, found before anything is
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 FINEWEB = REPO / "data" / "fineweb.py"
@@ -61,7 +62,7 @@ def test_fineweb_out_dir_that_is_a_file(tmp_path, docs, capsys):
 
 def test_fineweb_out_dir_file_from_the_command_line_has_no_traceback(tmp_path, docs):
     (tmp_path / "out").write_text("x")
-    r = subprocess.run([sys.executable, str(FINEWEB), "--input", str(docs), "--out-dir", str(tmp_path / "out")],
+    r = run_group([sys.executable, str(FINEWEB), "--input", str(docs), "--out-dir", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "FileExistsError" not in r.stderr

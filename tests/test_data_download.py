@@ -8,7 +8,6 @@ import hashlib
 import importlib.util
 import http.server
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from train_gpt import BOS_ID, HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, load_data_shard
+from processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "data" / "cached_fineweb10B.py"
@@ -113,7 +113,7 @@ def run_script(hub, tmp_path, *args):
                HF_HUB_DOWNLOAD_TIMEOUT="5", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
     for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, str(SCRIPT), *args, "--out-dir", str(tmp_path / "out")],
+    return run_group([sys.executable, str(SCRIPT), *args, "--out-dir", str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=60)
 
 

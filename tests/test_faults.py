@@ -1,7 +1,6 @@
 """A failure on one rank must end the whole job promptly (torchrun tears the other ranks down) instead of
 leaving them blocked in a collective: 2 gloo processes, rank 1 raises or is SIGKILLed mid-training."""
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from proxy_shards import build_shards
+from processes import run_group
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def test_one_failing_rank_ends_the_job(tmp_path, data, kind):
            str(HERE / "fault_launcher.py"), "--smoke", "--device", "cpu", "--data-path", str(data),
            "--log-dir", str(tmp_path / "logs"), "--num-scheduled-iterations", "12", "--val-loss-every", "0"]
     t0 = time.time()
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = run_group(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     elapsed = time.time() - t0
     assert r.returncode != 0
     log = next((tmp_path / "logs").glob("*.txt")).read_text()
@@ -41,3 +41,4 @@ def test_one_failing_rank_ends_the_job(tmp_path, data, kind):
     else:
         assert "Signal 9" in r.stderr or "SIGKILL" in r.stderr
     assert elapsed < 150, f"the job took {elapsed:.0f}s to end after one rank failed"
+    assert r.left_running == [], "torchrun exited but left workers running"

@@ -5,7 +5,6 @@ import importlib.util
 import json
 import lzma
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import tiktoken
 
 from train_gpt import BOS_ID, HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, load_data_shard
+from processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "data" / "fineweb.py"
@@ -65,7 +65,7 @@ def build(*argv):
 
 
 def run_cli(*argv):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, argv)], capture_output=True, text=True,
+    return run_group([sys.executable, str(SCRIPT), *map(str, argv)], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "TIKTOKEN_CACHE_DIR": str(REPO / "data" / "tiktoken_cache")})
 
 
@@ -294,7 +294,7 @@ def test_foreign_empty_tiktoken_cache_falls_back_to_the_repo_copy(tmp_path):
     (tmp_path / "empty_cache").mkdir()
     train = write_jsonl(tmp_path / "train.jsonl", DOCS)
     env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"), "HTTPS_PROXY": "http://127.0.0.1:9"}
-    r = subprocess.run([sys.executable, str(SCRIPT), "--input", str(train), "--out-dir", str(tmp_path / "out"),
+    r = run_group([sys.executable, str(SCRIPT), "--input", str(train), "--out-dir", str(tmp_path / "out"),
                         "--shard-size", "50"], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     np.testing.assert_array_equal(load_data_shard(tmp_path / "out" / "fineweb_val_000000.bin").numpy(), stream(DOCS)[:50])

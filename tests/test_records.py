@@ -5,7 +5,6 @@ import math
 import os
 import re
 import shlex
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -13,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from scipy import stats
+
+from processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures" / "records"
@@ -306,6 +307,7 @@ def test_plot_upstream_and_cpu(tmp_path, capsys):
     code, stdout, _ = cli(capsys, "plot", RUN1, RUN2, "-o", out)
     assert code == 0 and "wrote" in stdout
     _assert_png(out)
+    (tmp_path / "sub").mkdir()
     out2 = tmp_path / "sub" / "single.png"
     code, _, _ = cli(capsys, "plot", FIX / "local", "-o", out2)
     assert code == 0
@@ -323,7 +325,7 @@ def test_new_creates_record(tmp_path, capsys):
                                     f"{rc.TABLE_HEADER}\n{rc.TABLE_RULE}\n\n## Usage\n\ntext\n")
     bad = tmp_path / "broken.txt"
     bad.write_text("")
-    code, out, _ = cli(capsys, "new", "upstream-1211", RUN1, RUN2, bad, "--records-dir", recs, "--date", "2025-12-11",
+    code, out, _ = cli(capsys, "new", "upstream-1211", RUN1, RUN2, bad, "--out", recs, "--date", "2025-12-11",
                        "--description", "NorMuon speed-ups | Wo pre-multiply")
     assert code == 0
     folder = recs / "2025-12-11_upstream-1211"
@@ -344,9 +346,9 @@ def test_new_creates_record(tmp_path, capsys):
     assert "[2025-12-11_upstream-1211](2025-12-11_upstream-1211/README.md)" in row
     assert top[h + 3] == "" and "## Usage" in top  # rest of the file untouched
     # refuses to overwrite, --force replaces (no duplicate row)
-    code, _, err = cli(capsys, "new", "upstream-1211", RUN1, "--records-dir", recs, "--date", "2025-12-11")
+    code, _, err = cli(capsys, "new", "upstream-1211", RUN1, "--out", recs, "--date", "2025-12-11")
     assert code == 2 and "already exists" in err and "--force" in err
-    code, _, _ = cli(capsys, "new", "upstream-1211", RUN1, "--records-dir", recs, "--date", "2025-12-11", "--force",
+    code, _, _ = cli(capsys, "new", "upstream-1211", RUN1, "--out", recs, "--date", "2025-12-11", "--force",
                      "--hardware", "8xH100 SXM")
     text = (recs / "README.md").read_text()
     assert text.count("](2025-12-11_upstream-1211/README.md)") == 1
@@ -355,17 +357,17 @@ def test_new_creates_record(tmp_path, capsys):
 
 def test_new_creates_records_readme_and_refuses_empty(tmp_path, capsys):
     recs = tmp_path / "r"
-    code, _, _ = cli(capsys, "new", "cpu", CPU, "--records-dir", recs, "--date", "2030-01-02", "--not-a-record")
+    code, _, _ = cli(capsys, "new", "up", RUN1, "--out", recs, "--date", "2030-01-02")
     assert code == 0
     text = (recs / "README.md").read_text()
-    assert rc.TABLE_HEADER in text and "| 2030-01-02 | 14.731 s | 6.8358 | 1 | CPU (2 procs) |" in text
+    assert rc.TABLE_HEADER in text and "| 2030-01-02 | 131.157 s | 3.2757 | 1 | 8x NVIDIA H100 80GB HBM3 |" in text
     empty = tmp_path / "e.txt"
     empty.write_text("")
     for argv, msg in ((["nothing", empty], "no finished runs"), (["../evil", CPU], "record name"),
                       (["ok", RUN1, "--date", "2030-13-01"], "YYYY-MM-DD")):
-        code, _, err = cli(capsys, "new", *argv, "--records-dir", recs)
+        code, _, err = cli(capsys, "new", *argv, "--out", recs)
         assert code == 2 and msg in err and len(err.splitlines()) == 1
-    assert sorted(p.name for p in recs.iterdir()) == ["2030-01-02_cpu", "README.md"]
+    assert sorted(p.name for p in recs.iterdir()) == ["2030-01-02_up", "README.md"]
 
 
 def test_split_run_argv():
@@ -420,7 +422,7 @@ def test_run_with_fake_launcher(tmp_path, capsys):
     (tmp_path / "template.txt").write_text(make_log(3.2770, total=2160, val_every=250))
     recs = tmp_path / "records"
     code = rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "8", "--workdir", str(work),
-                    "--records-dir", str(recs), "--date", "2026-01-01", "--description", "fake runs",
+                    "--out", str(recs), "--date", "2026-01-01", "--description", "fake runs",
                     "myexp", "3", "--seed", "7", "--val-loss-every", "250"])
     out = capsys.readouterr().out
     assert code == 0
@@ -438,24 +440,24 @@ def test_run_with_fake_launcher(tmp_path, capsys):
     assert "| 2026-01-01 |" in (recs / "README.md").read_text()
     # existing folder -> refused before launching anything
     code = rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "8", "--workdir", str(work),
-                    "--records-dir", str(recs), "--date", "2026-01-01", "myexp", "1"])
+                    "--out", str(recs), "--date", "2026-01-01", "myexp", "1"])
     assert code == 2 and "already exists" in capsys.readouterr().err
     assert len((work / "calls.jsonl").read_text().splitlines()) == 3
     # a failing launcher stops the series and records nothing
     code = rc.main(["run", "--launcher", f"{sys.executable} {fake}", "--nproc", "8", "--workdir", str(work),
-                    "--records-dir", str(recs), "--date", "2026-01-01", "failing", "2", "--fail"])
+                    "--out", str(recs), "--date", "2026-01-01", "failing", "2", "--fail"])
     err = capsys.readouterr().err
     assert code == 1 and "run 1/2 failed" in err and "status 3" in err
     assert not (recs / "2026-01-01_failing").exists()
 
 
 def test_script_runs_from_command_line():
-    res = subprocess.run([sys.executable, str(REPO / "records" / "compare.py"), "summary", str(FIX)],
+    res = run_group([sys.executable, str(REPO / "records" / "compare.py"), "summary", str(FIX)],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "2 finished run(s), 0 skipped" in res.stdout
     assert "| 2025-12-11_record_run1.txt |   3.2757 | 131.157 |       60.72 |  2160 |" in res.stdout
-    res = subprocess.run([sys.executable, str(REPO / "records" / "compare.py"), "--help"],
+    res = run_group([sys.executable, str(REPO / "records" / "compare.py"), "--help"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert res.returncode == 0 and "summary" in res.stdout and "run" in res.stdout
 
@@ -466,7 +468,7 @@ def test_new_appends_to_the_real_records_readme(tmp_path, capsys):
     original = (REPO / "records" / "README.md").read_text()
     (recs / "README.md").write_text(original)
     for name, date in (("first", "2026-02-01"), ("second", "2026-02-02")):
-        code, _, _ = cli(capsys, "new", name, RUN1, RUN2, "--records-dir", recs, "--date", date)
+        code, _, _ = cli(capsys, "new", name, RUN1, RUN2, "--out", recs, "--date", date)
         assert code == 0
     lines = (recs / "README.md").read_text().splitlines()
     h = lines.index(rc.TABLE_HEADER)
@@ -521,14 +523,16 @@ def test_real_cpu_smoke_log():
 REAL_CPU = FIX / "local" / "real_cpu_smoke_2proc.txt"
 
 
-def _fake_setup(tmp_path, template_text):
+def _fake_setup(tmp_path, template_text, out=True):
+    """A fake launcher writing template_text as each run's log; the options point `run` at it (and, with out,
+    put the runs' folder under tmp_path/out)."""
     work = tmp_path / "work"
     work.mkdir()
     fake = tmp_path / "fake_launcher.py"
     fake.write_text(FAKE_LAUNCHER)
     (tmp_path / "template.txt").write_text(template_text)
-    return work, ["--launcher", f"{sys.executable} {fake}", "--workdir", str(work), "--records-dir",
-                  str(tmp_path / "records"), "--date", "2026-01-01"]
+    return work, ["--launcher", f"{sys.executable} {fake}", "--workdir", str(work), "--date", "2026-01-01"] + (
+        ["--out", str(tmp_path / "out")] if out else [])
 
 
 def _calls(work):
@@ -548,7 +552,7 @@ def test_run_readme_form_on_a_cpu_machine(tmp_path, capsys, monkeypatch):
     assert code == 0, err
     assert _calls(work) == [["--nproc_per_node=2", "train_gpt.py", "--smoke", "--data-path", "data/my proxy",
                              "--device", "cpu"]] * 2
-    readme = (tmp_path / "records" / "2026-01-01_smoke" / "README.md").read_text()
+    readme = (tmp_path / "out" / "2026-01-01_smoke" / "README.md").read_text()
     repro = readme.split("## Reproduce")[1].split("```")[1].strip()
     assert repro == ("./run.sh record smoke 2 --nproc 2 --launcher " + shlex.quote(opts[1])
                      + " --not-a-record -- --smoke --data-path 'data/my proxy' --device cpu")
@@ -580,12 +584,12 @@ def test_run_refuses_non_record_before_launching(tmp_path, capsys):
         code = rc.main(["run", "exp", "1", *argv, *opts])
         err = capsys.readouterr().err
         assert code == 2 and why in err and "--not-a-record" in err and len(err.splitlines()) == 1
-    assert _calls(work) == [] and not (tmp_path / "records").exists()
+    assert _calls(work) == [] and not (tmp_path / "out").exists()
     # the logs can still show a non-record (here: 40 steps); nothing is filed and the logs are named
     code = rc.main(["run", "exp", "1", "--nproc", "8", *opts])
     err = capsys.readouterr().err
     assert code == 2 and "not a record (40 steps)" in err and ".txt" in err and len(_calls(work)) == 1
-    assert not (tmp_path / "records" / "2026-01-01_exp").exists()
+    assert not (tmp_path / "out" / "2026-01-01_exp").exists()
 
 
 def test_record_problems_from_logs():
@@ -611,24 +615,24 @@ def test_new_refuses_smoke_run_or_labels_it(tmp_path, capsys):
     recs.mkdir()
     (recs / "README.md").write_text(f"# Records\n\n{rc.TABLE_HEADER}\n{rc.TABLE_RULE}\n")
     before = (recs / "README.md").read_text()
-    code, _, err = cli(capsys, "new", "smoke", REAL_CPU, "--records-dir", recs, "--date", "2026-01-02")
+    code, _, err = cli(capsys, "new", "smoke", REAL_CPU, "--out", recs, "--date", "2026-01-02")
     assert code == 2 and len(err.splitlines()) == 1
     assert "not a record (smoke preset, CPU, 33 steps, not FineWeb (data/proxy))" in err and "--not-a-record" in err
     assert (recs / "README.md").read_text() == before and sorted(os.listdir(recs)) == ["README.md"]
-    code, out, err = cli(capsys, "new", "smoke", REAL_CPU, "--records-dir", recs, "--date", "2026-01-02",
+    assert "logs/not_records/" in err
+    code, out, err = cli(capsys, "new", "smoke", REAL_CPU, "--out", tmp_path / "elsewhere", "--date", "2026-01-02",
                          "--not-a-record", "--description", "CPU check")
     assert code == 0, err
-    row = (recs / "README.md").read_text().splitlines()[-1]
-    assert row.startswith("| 2026-01-02 | 116.281 s | 6.3731 | 1 | CPU (2 procs) | "
-                          "(not a record: smoke preset, CPU, 33 steps, not FineWeb (data/proxy)) CPU check |")
-    readme = (recs / "2026-01-02_smoke" / "README.md").read_text()
-    assert "**Not a record**: smoke preset, CPU, 33 steps" in readme
+    assert (recs / "README.md").read_text() == before and sorted(os.listdir(recs)) == ["README.md"]
+    readme = (tmp_path / "elsewhere" / "2026-01-02_smoke" / "README.md").read_text()
+    assert "**Not a record**: smoke preset, CPU, 33 steps, not FineWeb (data/proxy)." in readme
+    assert "CPU check" in readme
     assert "record check: not a record (smoke preset, CPU, 33 steps" in readme
 
 
 def test_new_leaves_nothing_half_written(tmp_path, capsys, monkeypatch):
     recs = tmp_path / "records"
-    code, _, _ = cli(capsys, "new", "rec", RUN1, "--records-dir", recs, "--date", "2026-01-03")
+    code, _, _ = cli(capsys, "new", "rec", RUN1, "--out", recs, "--date", "2026-01-03")
     assert code == 0
     folder = recs / "2026-01-03_rec"
     snapshot = {p.name: p.read_bytes() for p in folder.iterdir()}
@@ -639,7 +643,7 @@ def test_new_leaves_nothing_half_written(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(rc, "make_plot", broken)
     for argv in (["other", RUN1], ["rec", RUN1, RUN2, "--force"]):
         with pytest.raises(RuntimeError):
-            rc.main(["new", *map(str, argv), "--records-dir", str(recs), "--date", "2026-01-03"])
+            rc.main(["new", *map(str, argv), "--out", str(recs), "--date", "2026-01-03"])
         assert sorted(os.listdir(recs)) == ["2026-01-03_rec", "README.md"]  # no temp folders, no new record
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == snapshot
         assert (recs / "README.md").read_text() == readme
@@ -647,7 +651,7 @@ def test_new_leaves_nothing_half_written(tmp_path, capsys, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(rc, "append_record_row", broken)
     with pytest.raises(RuntimeError):
-        rc.main(["new", "rec", str(RUN2), "--force", "--records-dir", str(recs), "--date", "2026-01-03"])
+        rc.main(["new", "rec", str(RUN2), "--force", "--out", str(recs), "--date", "2026-01-03"])
     assert sorted(os.listdir(recs)) == ["2026-01-03_rec", "README.md"]
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == snapshot
 
@@ -657,7 +661,7 @@ def test_plot_needs_output_and_never_writes_to_cwd(tmp_path, capsys, monkeypatch
     code, _, err = cli(capsys, "plot", RUN1)
     assert code == 2 and "-o/--output" in err and len(err.splitlines()) == 1
     assert os.listdir(tmp_path) == []
-    res = subprocess.run([sys.executable, str(REPO / "records" / "compare.py"), "plot", "-h"],
+    res = run_group([sys.executable, str(REPO / "records" / "compare.py"), "plot", "-h"],
                          capture_output=True, text=True, timeout=60)
     assert "required" in res.stdout
 
@@ -703,3 +707,128 @@ def test_records_folder_holds_only_records():
         runs, _ = rc.load_runs([str(folder)])
         assert runs and rc.run_problems(runs) == [], folder.name
         assert f"]({folder.name}/README.md)" in readme, folder.name
+
+
+# ---------------------------------------------------------------------------------------------- non-records, plot files
+
+def _repo_at(tmp_path, monkeypatch):
+    """Point the tool at tmp_path/repo (its defaults: repo/records, repo/logs/not_records) holding a copy of the
+    real records/README.md. Returns (repo, the README's bytes)."""
+    repo = tmp_path / "repo"
+    (repo / "records").mkdir(parents=True)
+    before = (REPO / "records" / "README.md").read_bytes()
+    (repo / "records" / "README.md").write_bytes(before)
+    monkeypatch.setattr(rc, "REPO_ROOT", repo)
+    return repo, before
+
+
+def test_new_not_a_record_defaults_to_logs_not_records(tmp_path, capsys, monkeypatch):
+    real_readme = (REPO / "records" / "README.md").read_bytes()
+    assert rc.default_out(True) == REPO / "logs" / "not_records" and rc.default_out(False) == REPO / "records"
+    assert "/logs/" in (REPO / ".gitignore").read_text().splitlines()  # so non-records are not committed by accident
+    assert rc.build_parser().parse_args(["new", "x", str(CPU)]).out is None  # None: default_out decides
+    repo, before = _repo_at(tmp_path, monkeypatch)
+    code, out, err = cli(capsys, "new", "smoke", REAL_CPU, "--not-a-record", "--date", "2026-01-02")
+    assert code == 0, err
+    folder = repo / "logs" / "not_records" / "2026-01-02_smoke"
+    assert sorted(os.listdir(folder)) == ["README.md", "plot.png", REAL_CPU.name]
+    _assert_png(folder / "plot.png")
+    assert "**Not a record**: smoke preset, CPU, 33 steps" in (folder / "README.md").read_text()
+    assert (repo / "records" / "README.md").read_bytes() == before and os.listdir(repo / "records") == ["README.md"]
+    last = out.splitlines()[-1]
+    assert str(folder) in last and "not a record" in last and "no row added" in last
+    assert (REPO / "records" / "README.md").read_bytes() == real_readme
+
+
+def test_new_not_a_record_out_places_it_without_a_table(tmp_path, capsys, monkeypatch):
+    repo, before = _repo_at(tmp_path, monkeypatch)
+    mine = tmp_path / "mine"  # created when missing
+    code, out, err = cli(capsys, "new", "up", RUN1, RUN2, "--not-a-record", "--out", mine, "--date", "2026-01-03")
+    assert code == 0, err
+    assert os.listdir(mine) == ["2026-01-03_up"]  # no README.md table made there either
+    readme = (mine / "2026-01-03_up" / "README.md").read_text()
+    assert "**Not a record**: marked --not-a-record." in readme  # runs that meet the conditions, labelled by hand
+    assert str(mine / "2026-01-03_up") in out.splitlines()[-1]
+    assert not (repo / "logs").exists() and (repo / "records" / "README.md").read_bytes() == before
+    code, _, err = cli(capsys, "new", "up", RUN1, "--not-a-record", "--out", mine, "--date", "2026-01-03")
+    assert code == 2 and "already exists" in err
+    code, _, _ = cli(capsys, "new", "up", RUN1, "--not-a-record", "--out", mine, "--date", "2026-01-03", "--force")
+    assert code == 0 and sorted(os.listdir(mine / "2026-01-03_up")) == sorted(["README.md", RUN1.name, "plot.png"])
+
+
+def test_not_a_record_refused_in_the_records_folder(tmp_path, capsys, monkeypatch):
+    repo, before = _repo_at(tmp_path, monkeypatch)
+    records = repo / "records"
+    (tmp_path / "link").symlink_to(records)
+    monkeypatch.chdir(repo)
+    for out in (records, "records", "logs/../records/", records / "sub", tmp_path / "link"):
+        code, stdout, err = cli(capsys, "new", "smoke", REAL_CPU, "--not-a-record", "--out", out, "--date", "2026-01-04")
+        assert code == 2 and stdout == "" and len(err.splitlines()) == 1, out
+        assert "stay out of" in err and "--out" in err
+    assert os.listdir(records) == ["README.md"] and (records / "README.md").read_bytes() == before
+    assert not (repo / "logs").exists()
+    work, opts = _fake_setup(tmp_path, REAL_CPU.read_text(), out=False)
+    code = rc.main(["run", "smoke", "1", "--nproc", "2", "--smoke", "--not-a-record", "--out", str(records), *opts])
+    err = capsys.readouterr().err
+    assert code == 2 and "stay out of" in err and _calls(work) == []  # refused before launching anything
+    assert os.listdir(records) == ["README.md"]
+
+
+def test_record_goes_to_records_with_its_row_by_default(tmp_path, capsys, monkeypatch):
+    repo, before = _repo_at(tmp_path, monkeypatch)
+    code, out, err = cli(capsys, "new", "up", RUN1, RUN2, "--date", "2026-01-05")
+    assert code == 0, err
+    assert (repo / "records" / "2026-01-05_up" / "plot.png").is_file() and not (repo / "logs").exists()
+    text = (repo / "records" / "README.md").read_text()
+    assert "| 2026-01-05 | 131.156 s | 3.2767 | 2 |" in text and "[2026-01-05_up](2026-01-05_up/README.md)" in text
+    assert "row added to" in out.splitlines()[-1]
+
+
+def test_run_not_a_record_files_outside_records(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("SPEEDRUN_NPROC", raising=False)
+    repo, before = _repo_at(tmp_path, monkeypatch)
+    work, opts = _fake_setup(tmp_path, REAL_CPU.read_text(), out=False)
+    code = rc.main(["run", "smoke", "2", "--smoke", "--device", "cpu", "--not-a-record", *opts])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    folder = repo / "logs" / "not_records" / "2026-01-01_smoke"
+    assert len(list(folder.glob("*.txt"))) == 2 and (folder / "plot.png").is_file()
+    assert "**Not a record**: smoke preset, CPU, 33 steps" in (folder / "README.md").read_text()
+    assert (repo / "records" / "README.md").read_bytes() == before and os.listdir(repo / "records") == ["README.md"]
+    assert str(folder) in out.splitlines()[-1] and "no row added" in out.splitlines()[-1]
+
+
+def test_plot_refuses_a_missing_folder(tmp_path, capsys):
+    code, out, err = cli(capsys, "plot", CPU, "-o", tmp_path / "missing" / "dir" / "x.png")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "does not exist" in err and "create it or pick another path" in err
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "file").write_text("")
+    code, _, err = cli(capsys, "plot", CPU, "-o", tmp_path / "file" / "x.png")
+    assert code == 2 and "is not a folder" in err and os.listdir(tmp_path) == ["file"]
+
+
+def test_plot_suffix_picks_the_format(tmp_path, capsys):
+    code, _, err = cli(capsys, "plot", CPU, "-o", tmp_path / "x.pdf")
+    assert code == 0, err
+    assert (tmp_path / "x.pdf").read_bytes().startswith(b"%PDF")
+    code, _, err = cli(capsys, "plot", CPU, "-o", tmp_path / "x.svg")
+    data = (tmp_path / "x.svg").read_bytes()
+    assert code == 0 and data.startswith(b"<?xml") and b"<svg" in data[:1000]
+    for bad in ("x.txt", "x", "x.png.bak"):
+        code, out, err = cli(capsys, "plot", CPU, "-o", tmp_path / bad)
+        assert code == 2 and out == "" and len(err.splitlines()) == 1, bad
+        assert ".png" in err and ".pdf" in err and ".svg" in err
+    assert sorted(os.listdir(tmp_path)) == ["x.pdf", "x.svg"]
+
+
+def test_plot_writer_failing_halfway_leaves_no_file(tmp_path, capsys, monkeypatch):
+    class HalfWriter:
+        def savefig(self, path):
+            Path(path).write_bytes(b"partial")
+            raise RuntimeError("'xelatex' not found;\ninstall it")
+    monkeypatch.setattr(rc, "plot_figure", lambda sets, title=None: HalfWriter())
+    code, _, err = cli(capsys, "plot", CPU, "-o", tmp_path / "x.pgf")
+    assert code == 2 and len(err.splitlines()) == 1 and "xelatex" in err
+    assert os.listdir(tmp_path) == []

@@ -2,15 +2,23 @@
 `torchrun`) first on PATH that records every call and exits 0, so nothing is installed, downloaded or trained.
 
 The stub answers the few `python -c` questions run.sh asks (torch's CUDA version, which test packages are
-missing) from STUB_* environment variables, prints a pytest-like summary for `-m pytest`, and fails pip installs
-on request (STUB_PIP_RC, STUB_GPU_PIP_RC).
+missing, whether PyTorch's CPU index answers) from STUB_* environment variables, prints a pytest-like summary for
+`-m pytest`, and fails pip installs on request (STUB_PIP_RC, STUB_GPU_PIP_RC). `pip install --dry-run` writes the
+report given in STUB_PIP_TORCH (pip's configured sources) or STUB_LOCAL_TORCH (with --no-index). Two questions of
+setup-cpu go to the real Python, so that their code is tested: which torch to keep (it imports the sandbox's
+stand-in torch, see Sandbox.torch) and the parsing of pip's report.
 """
+import json
 import os
 import shutil
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_SH = REPO / "run.sh"
@@ -30,6 +38,10 @@ STUB = r"""#!/usr/bin/env bash
 } >> "$STUB_LOG"
 if [ "${1:-}" = -c ]; then
     case "$2" in
+        *torch_to_keep* | *torch_pick*) PYTHONPATH="$STUB_SITE" exec "$STUB_REAL_PYTHON" "$@" ;;
+        *cpu_index_probe*)
+            [ "${STUB_PROBE-}" != real ] || PYTHONPATH="$STUB_SITE" exec "$STUB_REAL_PYTHON" "$@"
+            [ -z "${STUB_PROBE-}" ] || { echo "$STUB_PROBE"; exit 1; } ;;
         *package_dirs_for_bytecode*) echo "${STUB_BYTECODE_DIRS-/stub/site/torch}" ;;
         *find_spec*) echo "${STUB_MISSING:-}" ;;
         *torch.version.cuda*) echo "${STUB_CUDA-13.0}" ;;
@@ -43,6 +55,12 @@ elif [ "${1:-} ${2:-}" = "-m pytest" ]; then
     exit "${STUB_PYTEST_RC:-0}"
 elif [ "${1:-} ${2:-} ${3:-}" = "-m pip install" ]; then
     case " $* " in
+        *" --dry-run "*)
+            report="" prev=""
+            for a in "$@"; do [ "$prev" != --report ] || report=$a; prev=$a; done
+            case " $* " in *" --no-index "*) answer=${STUB_LOCAL_TORCH-} ;; *) answer=${STUB_PIP_TORCH-} ;; esac
+            [ -n "$answer" ] || { echo "ERROR: No matching distribution found for torch>=2.10" >&2; exit 1; }
+            printf '%s' "$answer" > "$report" ;;
         *" requirements-gpu.txt "*) exit "${STUB_GPU_PIP_RC:-0}" ;;
         *) exit "${STUB_PIP_RC:-0}" ;;
     esac
@@ -68,9 +86,12 @@ class Sandbox:
         self.log = tmp_path / "calls.jsonl"
         for name in ("python3", "python", "pip", "pip3", "torchrun"):
             self._write(name, STUB)
+        self.site = tmp_path / "site"  # first on the real Python's path: its torch shadows an installed one
+        self.torch(None)
         self.env = {k: v for k, v in os.environ.items()
                     if k not in ("PYTHON", "TORCH_CPU_SPEC", "TORCH_CPU_INDEX") + LAUNCH_ENV}
-        self.env.update(STUB_LOG=str(self.log), PATH=f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}")
+        self.env.update(STUB_LOG=str(self.log), PATH=f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
+                        STUB_SITE=str(self.site), STUB_REAL_PYTHON=sys.executable)
 
     def _write(self, name, text):
         path = self.bin / name
@@ -81,9 +102,16 @@ class Sandbox:
         self._write("nvidia-smi", fake_nvidia_smi(n))
         return self
 
+    def torch(self, version):
+        """The torch that setup-cpu finds installed: one with this __version__, or (None) one that fails to import."""
+        (self.site / "torch").mkdir(parents=True, exist_ok=True)
+        (self.site / "torch" / "__init__.py").write_text(
+            f"__version__ = {version!r}\n" if version else "raise ImportError('no torch in this sandbox')\n")
+        return self
+
     def run(self, *args, script=RUN_SH, **env):
-        return subprocess.run(["bash", str(script), *args], env={**self.env, **env}, capture_output=True, text=True,
-                              timeout=60, stdin=subprocess.DEVNULL)
+        return run_group(["bash", str(script), *args], env={**self.env, **env}, capture_output=True, text=True,
+                         timeout=60, stdin=subprocess.DEVNULL)
 
     def calls(self):
         if not self.log.exists():
@@ -96,8 +124,14 @@ class Sandbox:
         return out
 
     def commands(self):
-        """The recorded argv lists, without run.sh's `python -c` questions."""
-        return [c["argv"] for c in self.calls() if c["argv"][:1] != ["-c"]]
+        """The recorded argv lists, without run.sh's `python -c` questions; a --report file (a temporary one) reads
+        REPORT."""
+        return [[a if prev != "--report" else "REPORT" for prev, a in zip([None] + c["argv"], c["argv"])]
+                for c in self.calls() if c["argv"][:1] != ["-c"]]
+
+    def questions(self, tag):
+        """The arguments after the code of each `python -c` call whose code holds TAG."""
+        return [c["argv"][2:] for c in self.calls() if c["argv"][:1] == ["-c"] and tag in c["argv"][1]]
 
 
 @pytest.fixture
@@ -287,20 +321,136 @@ def test_setup_gpu_installs_without_downloading_or_training(box):
 
 # ---- CPU setup, tests, proxy data, records ---------------------------------------------------------------------
 
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+DEV_REQS = pip_install("--disable-pip-version-check", "-r", "requirements-dev.txt")
+INDEX_DOWN = "[Errno -2] Name or service not known"
+
+
+def dry_run(*args):
+    """setup-cpu asking pip which torch it would install (nothing installed; the answer goes to REPORT)."""
+    return pip_install("--disable-pip-version-check", "--dry-run", "--quiet", "--report", "REPORT", "--no-deps",
+                       "--ignore-installed", *args, "torch>=2.10")
+
+
+def pip_report(version, url, requires=("filelock", "sympy>=1.13.3")):
+    """What `pip install --dry-run --report` writes when it would install torch VERSION from URL."""
+    return json.dumps({"version": "1", "install": [{"download_info": {"url": url}, "metadata": {
+        "name": "torch", "version": version, "requires_dist": list(requires)}}]})
+
+
+PYPI = "https://files.pythonhosted.org/packages"
+PYPI_CUDA = pip_report("2.14.1", f"{PYPI}/torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl",
+                       ["filelock", 'nvidia-cudnn-cu13==9.24.0.43; platform_system == "Linux"'])
+LOCAL_WHEEL = "/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+LOCAL_CPU = pip_report("2.13.0+cpu", "file:///opt/wheels/torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl")
+
+
+def unreachable_line(r):
+    lines = [ln for ln in r.stdout.splitlines() + r.stderr.splitlines() if "download.pytorch.org" in ln]
+    assert len(lines) == 1, r.stdout + r.stderr
+    return lines[0]
+
+
 def test_setup_cpu_installs_cpu_torch_then_the_dev_requirements(box):
-    r = box.run("setup-cpu")  # no nvidia-smi: the CPU setup does not need one
+    r = box.run("setup-cpu")  # no nvidia-smi: the CPU setup does not need one; the stub's CPU index answers
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [
-        pip_install("--disable-pip-version-check", "torch", "--index-url", "https://download.pytorch.org/whl/cpu"),
-        pip_install("--disable-pip-version-check", "-r", "requirements-dev.txt")]
+    assert box.commands() == [pip_install("--disable-pip-version-check", "torch", "--index-url", CPU_INDEX), DEV_REQS]
+    assert box.questions("cpu_index_probe") == [[f"{CPU_INDEX}/torch/"]]  # asked once, before installing
+    assert f"run.sh: installing torch from {CPU_INDEX} (the CPU build)" in r.stdout.splitlines()
     assert "import torch, triton, pytest" in box.calls()[-1]["argv"][1]  # it checks the result
 
 
-def test_setup_cpu_pin_and_default_index_from_the_environment(box):
-    r = box.run("setup-cpu", TORCH_CPU_SPEC="torch==2.13.0", TORCH_CPU_INDEX="")
+@pytest.mark.parametrize("version", ["2.13.0+cpu", "2.10.0", "2.14.1", "2.11.0.dev20250301+cpu"])
+def test_setup_cpu_keeps_an_installed_torch_of_at_least_2_10(box, version):
+    r = box.torch(version).run("setup-cpu", STUB_PROBE=INDEX_DOWN)
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [pip_install("--disable-pip-version-check", "torch==2.13.0"),
-                              pip_install("--disable-pip-version-check", "-r", "requirements-dev.txt")]
+    assert box.commands() == [DEV_REQS]  # no torch install, no dry run
+    assert box.questions("cpu_index_probe") == []
+    assert f"run.sh: keeping the installed torch {version} (requirements.txt asks for >= 2.10)" in r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("version", ["2.9.1+cpu", "2.10.0.dev20250101+cpu", "2.10.0rc1"])
+def test_setup_cpu_replaces_a_torch_older_than_2_10(box, version):
+    """What pip would not take for torch>=2.10 (a 2.10 pre-release included) is not kept."""
+    r = box.torch(version).run("setup-cpu")
+    assert r.returncode == 0, r.stderr
+    assert box.commands() == [pip_install("--disable-pip-version-check", "torch", "--index-url", CPU_INDEX), DEV_REQS]
+    assert "keeping" not in r.stdout
+
+
+def test_setup_cpu_unreachable_index_installs_the_cpu_torch_pip_offers(box):
+    """Where pip's own sources offer a CPU build (macOS, or a CPU wheel in find-links), that version is pinned."""
+    macos = pip_report("2.12.0", f"{PYPI}/torch-2.12.0-cp311-none-macosx_11_0_arm64.whl")
+    r = box.run("setup-cpu", STUB_PROBE=INDEX_DOWN, STUB_PIP_TORCH=macos, STUB_LOCAL_TORCH=PYPI_CUDA)
+    assert r.returncode == 0, r.stderr
+    assert box.commands() == [dry_run(), pip_install("--disable-pip-version-check", "torch==2.12.0"), DEV_REQS]
+    assert unreachable_line(r) == (f"run.sh: download.pytorch.org unreachable ({INDEX_DOWN}); installing torch 2.12.0 "
+                                   "found by pip (a CPU build)")
+
+
+@pytest.mark.parametrize("pip_offers, says", [
+    (PYPI_CUDA, "pip offers only a CUDA build here (torch 2.14.1)"),
+    (pip_report("2.14.1+cu130", "file:///opt/wheels/x.whl"), "pip offers only a CUDA build here (torch 2.14.1+cu130)"),
+    (pip_report("2.14.1+xpu", "file:///opt/wheels/y.whl"), "pip offers only a non-CPU build here (torch 2.14.1+xpu)"),
+    ("", "pip finds no torch>=2.10 here")], ids=["nvidia-requirements", "cu-label", "xpu-label", "nothing"])
+def test_setup_cpu_unreachable_index_installs_the_local_cpu_wheel(box, pip_offers, says):
+    """PyPI's torch on Linux x86_64 is the CUDA build: then a CPU wheel among pip's local wheels is installed, as
+    that very file (`pip install --no-index torch==2.13.0+cpu` would find none of its dependencies)."""
+    r = box.run("setup-cpu", STUB_PROBE=INDEX_DOWN, STUB_PIP_TORCH=pip_offers, STUB_LOCAL_TORCH=LOCAL_CPU)
+    assert r.returncode == 0, r.stderr
+    assert box.commands() == [dry_run(), dry_run("--no-index"), pip_install("--disable-pip-version-check", LOCAL_WHEEL),
+                              DEV_REQS]
+    assert unreachable_line(r) == (f"run.sh: download.pytorch.org unreachable ({INDEX_DOWN}) and {says}; installing "
+                                   f"the CPU build torch 2.13.0+cpu from pip's local wheels ({LOCAL_WHEEL})")
+
+
+@pytest.mark.parametrize("local", ["", pip_report("2.13.0+cu128", "file:///opt/wheels/torch-2.13.0+cu128.whl"),
+                                   pip_report("2.13.0", "file:///opt/wheels/t.whl", ["nvidia-nccl-cu12"]),
+                                   pip_report("2.13.0+rocm6.4", "file:///opt/wheels/torch-2.13.0+rocm6.4.whl")],
+                         ids=["no-local-wheel", "local-cu-label", "local-nvidia-requirements", "local-rocm"])
+def test_setup_cpu_unreachable_index_and_only_cuda_torch_exits_2_installing_nothing(box, local):
+    r = box.run("setup-cpu", STUB_PROBE=INDEX_DOWN, STUB_PIP_TORCH=PYPI_CUDA, STUB_LOCAL_TORCH=local)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert box.commands() == [dry_run(), dry_run("--no-index")]  # no install of any kind
+    line = unreachable_line(r)
+    assert line in r.stderr
+    for part in ("run.sh: download.pytorch.org is unreachable", "pip offers only a CUDA build here (torch 2.14.1)",
+                 "never installs a CUDA build", f"pip install torch --index-url {CPU_INDEX}",
+                 "pip install /path/to/torch-*+cpu*.whl", "rerun ./run.sh setup-cpu (it keeps that torch)"):
+        assert part in line, part
+
+
+def test_setup_cpu_unreachable_index_and_no_torch_anywhere_exits_2(box):
+    r = box.run("setup-cpu", STUB_PROBE=INDEX_DOWN)
+    assert r.returncode == 2
+    assert box.commands() == [dry_run(), dry_run("--no-index")]
+    line = unreachable_line(r)
+    assert "pip finds no torch>=2.10 here" in line and "./run.sh setup-cpu" in line
+
+
+def test_setup_cpu_probe_gives_up_at_once_on_a_refused_connection(box):
+    """The real probe code, sent through https_proxy to a closed local port (no real network)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    box.env = {k: v for k, v in box.env.items() if k.lower() not in ("no_proxy", "https_proxy", "all_proxy")}
+    r = box.run("setup-cpu", STUB_PROBE="real", STUB_PIP_TORCH=PYPI_CUDA, STUB_LOCAL_TORCH=LOCAL_CPU,
+                https_proxy=f"http://127.0.0.1:{port}")
+    assert r.returncode == 0, r.stderr
+    assert unreachable_line(r).startswith("run.sh: download.pytorch.org unreachable ([Errno 111] Connection refused)")
+    assert box.commands()[2] == pip_install("--disable-pip-version-check", LOCAL_WHEEL)
+
+
+@pytest.mark.parametrize("env, spec", [
+    ({"TORCH_CPU_SPEC": "torch==2.13.0", "TORCH_CPU_INDEX": ""}, ["torch==2.13.0"]),
+    ({"TORCH_CPU_SPEC": "torch==2.13.0"}, ["torch==2.13.0", "--index-url", CPU_INDEX]),
+    ({"TORCH_CPU_INDEX": "https://mirror/cpu"}, ["torch", "--index-url", "https://mirror/cpu"])],
+    ids=["spec-and-pip-default", "spec", "index"])
+def test_setup_cpu_overrides_from_the_environment_skip_the_detection(box, env, spec):
+    r = box.torch("2.13.0+cpu").run("setup-cpu", STUB_PROBE=INDEX_DOWN, STUB_PIP_TORCH=PYPI_CUDA, **env)
+    assert r.returncode == 0, r.stderr
+    assert box.commands() == [pip_install("--disable-pip-version-check", *spec), DEV_REQS]
+    assert box.questions("cpu_index_probe") == [] and box.questions("torch_to_keep") == []
 
 
 def test_setup_cpu_stops_when_pip_fails(box):
@@ -339,6 +489,7 @@ def test_proxy_with_a_wrong_folder_is_one_line_error(box, tmp_path):
     r = box.run("proxy", str(tmp_path / "nowhere"))
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1
     assert "nowhere" in r.stderr and "./run.sh proxy CORPUS_DIR" in r.stderr
+    assert '"text" field' in r.stderr and "data/fineweb.py --input" in r.stderr  # what a corpus is, and plain text
     assert box.calls() == []
 
 
@@ -386,13 +537,13 @@ def test_ci_uses_the_documented_commands_only():
 
 
 def test_ci_script_with_stubs(box):
+    """As on the CI machines: no download.pytorch.org, PyPI's CUDA torch, a CPU wheel among pip's local wheels."""
     ci = REPO / ".ci" / "run"
-    r = box.run(script=ci)
+    r = box.run(script=ci, STUB_PROBE=INDEX_DOWN, STUB_PIP_TORCH=PYPI_CUDA, STUB_LOCAL_TORCH=LOCAL_CPU)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.rstrip().endswith("CI: ok")
-    assert box.commands() == [pip_install("--disable-pip-version-check", "torch==2.13.0"),
-                              pip_install("--disable-pip-version-check", "-r", "requirements-dev.txt"),
-                              ["-m", "pytest", "-q", "tests"]]
+    assert box.commands() == [dry_run(), dry_run("--no-index"), pip_install("--disable-pip-version-check", LOCAL_WHEEL),
+                              DEV_REQS, ["-m", "pytest", "-q", "tests"]]
 
 
 @pytest.mark.parametrize("out, rc, expect", [("2 passed, 1 failed in 3s", "1", "test suite failed (exit 1)"),

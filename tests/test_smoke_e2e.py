@@ -5,7 +5,6 @@ One run per test session (module-scoped fixture); every test reads its results.
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from proxy_shards import build_shards
+from processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train_gpt.py"
@@ -41,7 +41,7 @@ def smoke_run(tmp_path_factory):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
            "--smoke", "--device", "cpu", "--data-path", str(tmp / "data"), "--log-dir", str(tmp / "logs")]
-    r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
+    r = run_group(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
     logs = sorted((tmp / "logs").glob("*.txt")) if (tmp / "logs").is_dir() else []
     return dict(proc=r, tmp=tmp, logs=logs, log=logs[0].read_text() if logs else "")
 

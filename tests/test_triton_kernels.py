@@ -8,12 +8,13 @@ with NaN-poisoned outputs embedded in larger NaN buffers (every element written,
 """
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from processes import run_group
 
 pytest.importorskip("triton")
 
@@ -122,7 +123,7 @@ TOL_LOOP = 2e-5
 def kernel_results():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+    proc = run_group([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS=")][-1]
