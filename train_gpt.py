@@ -131,8 +131,8 @@ class Hyperparameters:
     save_checkpoint: bool = setting(False, "save model and optimizer states to <log-dir>/<run-id>/ at the end")
     run_id: str = setting("", "name of the log file; empty: a random UUID4")
     seed: int = setting(-1, "torch seed for the initialisation; -1: unseeded, like the record")
-    device: str = setting("auto", "where to train; auto: CUDA when visible, else refuse (use cpu with --smoke)",
-                          ("auto", "cuda", "cpu"))
+    device: str = setting("auto", "where to train; auto: CUDA when visible, else the CPU for --smoke and an error "
+                                  "otherwise", ("auto", "cuda", "cpu"))
     attn_backend: str = setting("auto", "attention kernels; auto: fa3 (kernels hub), then fa4, then PyTorch's "
                                         "FA2 varlen, then the reference (CPU)",
                                 ("auto", "fa3", "fa4", "varlen", "reference"))
@@ -159,9 +159,10 @@ class Hyperparameters:
                                              "compiled kernels directly (same kernels, same arguments), skipping "
                                              "its Python interface's per-call planning")
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
-    cuda_graphs: str = setting("auto", "replay each training micro-batch (forward and backward) as one CUDA graph, "
-                                       "captured in the warm-up per batch size and window; auto: on with one CUDA "
-                                       "training process and torch.compile", ("auto", "on", "off"))
+    cuda_graphs: str = setting("auto", "replay each training micro-batch (forward, backward and its NCCL "
+                                       "reduce-scatters) as one CUDA graph, captured in the warm-up; auto: on with "
+                                       "CUDA and torch.compile; off: the eager path, for debugging and A/B timing",
+                               ("auto", "on", "off"))
     parallel_compile: str = setting("auto", "at start-up, helper processes compile the trunk's graphs, the head and "
                                             "(one GPU) the optimizers' helpers side by side; the warm-up loads them "
                                             "from Inductor's cache; auto: on with one training process per node; "
@@ -2108,9 +2109,10 @@ class DistAdam(torch.optim.Optimizer):
     updates, rows [r*n/W, (r+1)*n/W), then all-gathers the param.
 
     Gradients are reduce-scattered (AVG) by a post-accumulate-grad hook, but only while `self.should_sync` is
-    True (the trainer sets it before the last micro-batch backward of the steps on which it calls step()).
-    step() updates exactly the params with a pending reduce-scatter. Without a process group (or W == 1) there
-    are no collectives: step() uses p.grad of every param that has one.
+    True (the trainer sets it before the last micro-batch backward of the steps on which it calls step()), into
+    one buffer per param that lives as long as the optimizer (a CUDA graph that captured the reduce-scatter
+    writes the same addresses at every replay). step() updates exactly the params with a pending reduce-scatter.
+    Without a process group (or W == 1) there are no collectives: step() uses p.grad of every param that has one.
 
     Groups by label in the order lm_head, scalars, value_embed, embed, then everything else. Group keys:
     params, lr, betas, eps, weight_decay, label (+ the trainer's initial_lr). State per param: step (int),
@@ -2138,7 +2140,8 @@ class DistAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(groups, defaults)
         self.should_sync = False
-        self._pending = {}  # param -> (async work, averaged grad slice)
+        self._pending = {}      # param -> its reduce-scatter's async work, or None once the stream waits for it
+        self._grad_slices = {}  # param -> this rank's slice of its averaged gradient
         self._update_fn = adam_update
         self._step_size = torch.zeros((), dtype=torch.float32)  # CPU scalar fed to the (compiled) update
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in params]
@@ -2156,10 +2159,24 @@ class DistAdam(torch.optim.Optimizer):
     def _grad_hook(self, p: Tensor):
         if not self.should_sync or self.world_size == 1 or p.grad is None:
             return
-        lo, hi = self._slice_rows(p)
-        g_slice = torch.empty((hi - lo, *p.shape[1:]), dtype=p.grad.dtype, device=p.grad.device)
-        work = dist.reduce_scatter_tensor(g_slice, p.grad, op=dist.ReduceOp.AVG, async_op=True)
-        self._pending[p] = (work, g_slice)
+        if p not in self._grad_slices:
+            lo, hi = self._slice_rows(p)
+            self._grad_slices[p] = p.grad.new_empty((hi - lo, *p.shape[1:]))
+        self._pending[p] = dist.reduce_scatter_tensor(self._grad_slices[p], p.grad, op=dist.ReduceOp.AVG,
+                                                      async_op=True)
+
+    def join_reduce_scatters(self) -> list:
+        """Make the current stream wait for every pending reduce-scatter (inside a CUDA graph's capture this joins
+        NCCL's stream back into the graph); returns their params."""
+        for p, work in self._pending.items():
+            if work is not None:
+                work.wait()
+                self._pending[p] = None
+        return list(self._pending)
+
+    def reduce_scatters_replayed(self, params: list) -> None:
+        """A replayed CUDA graph ran these params' reduce-scatters on the current stream: step() may use them."""
+        self._pending.update(dict.fromkeys(params))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -2173,11 +2190,12 @@ class DistAdam(torch.optim.Optimizer):
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 if distributed:
-                    entry = self._pending.pop(p, None)
-                    if entry is None:
+                    if p not in self._pending:
                         continue
-                    work, g = entry
-                    work.wait()
+                    work = self._pending.pop(p)
+                    if work is not None:
+                        work.wait()
+                    g = self._grad_slices[p]
                 else:
                     g = p.grad
                     if g is None:
@@ -3152,7 +3170,11 @@ def nvidia_smi() -> str:
 # one set of gradients that every backward accumulates into; their temporaries live in one memory pool of their own
 # (shared: the graphs never run at the same time and leave nothing alive in it). What a launch takes as a host value
 # is frozen at capture: the tokens per micro-batch, the windows and YaRN's softmax scale (all in the key); the loss's
-# divisor (micro-batches per step) is read from a tensor instead.
+# divisor (micro-batches per step) is read from a tensor instead. With several processes, the micro-batch that ends
+# an Adam step launches DistAdam's reduce-scatters from its backward's gradient hooks: NCCL's collectives can be
+# captured (NCCL 2.9+) when every rank captures and replays the same graphs in the same order, which the keys
+# guarantee (the same shapes, windows and step position on every rank). Such a graph is a key of its own, and its
+# capture ends by joining NCCL's stream, so a replay leaves the averaged gradients where DistAdam's step reads them.
 
 class CudaGraph:
     """torch.cuda.CUDAGraph, captured on a side stream right after one eager run there that does the micro-batch's
@@ -3168,7 +3190,8 @@ class CudaGraph:
             fn()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=CudaGraph.pool, stream=side):
+        # thread_local: NCCL's watchdog thread may query its events while this thread captures
+        with torch.cuda.graph(self.graph, pool=CudaGraph.pool, stream=side, capture_error_mode="thread_local"):
             fn()
 
     def replay(self):
@@ -3185,23 +3208,25 @@ class CudaGraph:
 
 
 class MicroBatchGraphs:
-    """Training micro-batches run as graphs, one per key (batch shapes, windows, softmax scale). A key's first
-    micro-batch runs eagerly (it may compile), its second is captured (the eager run before the capture does its
-    work), the later ones replay. new_graph: the graph type (tests replace CUDA's)."""
+    """Training micro-batches run as graphs, one per key (batch shapes, windows, softmax scale, and whether it
+    launches DistAdam's reduce-scatters). A key's first micro-batch runs eagerly (it may compile), its second is
+    captured (the eager run before the capture does its work), the later ones replay. new_graph: the graph type
+    (tests replace CUDA's)."""
 
-    def __init__(self, model: nn.Module, new_graph=CudaGraph):
-        self.model, self.new_graph = model, new_graph
+    def __init__(self, model: nn.Module, adam: "DistAdam", new_graph=CudaGraph):
+        self.model, self.adam, self.new_graph = model, adam, new_graph
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grads = None        # the gradient tensors every graph accumulates into
         self.divisor = None      # 0-D float32 on the device: micro-batches per step
         self.loss = None         # 0-D float32 on the device: the last replayed micro-batch's loss
         self.divisor_value = None
-        self.graphs = {}         # key -> (graph, static copies of the batch tensors)
+        self.graphs = {}         # key -> (graph, static copies of the batch tensors, params it reduce-scatters)
         self.seen = set()
         self.captures = self.replays = 0
 
     def key(self, batch, ws_short: int, ws_long: int) -> tuple:
-        return (tuple((t.shape, t.dtype) for t in batch), ws_short, ws_long, self.model.yarn.attn_scale)
+        reduces = self.adam.should_sync and self.adam.world_size > 1
+        return (tuple((t.shape, t.dtype) for t in batch), ws_short, ws_long, self.model.yarn.attn_scale, reduces)
 
     def attach_grads(self):
         """Point every parameter's .grad at the graphs' buffers: a None gradient (zero_grad(set_to_none=True)) becomes
@@ -3238,15 +3263,23 @@ class MicroBatchGraphs:
             self.divisor_value = micro_batches
         if entry is None:
             static = tuple(t.clone() for t in batch)
+            reduced = []
+
+            def micro_batch():
+                self.loss.copy_(forward_backward(*static, self.divisor))
+                reduced[:] = self.adam.join_reduce_scatters()
+
             graph = self.new_graph()
-            graph.capture(lambda: self.loss.copy_(forward_backward(*static, self.divisor)))
-            self.graphs[key] = (graph, static)
+            graph.capture(micro_batch)
+            self.graphs[key] = (graph, static, reduced)
             self.captures += 1
             return True
-        graph, static = entry
+        graph, static, reduced = entry
         for mine, t in zip(static, batch):
             mine.copy_(t, non_blocking=True)
         graph.replay()
+        if reduced:
+            self.adam.reduce_scatters_replayed(reduced)
         self.replays += 1
         return True
 
@@ -3397,7 +3430,6 @@ class Trainer:
             if step % 2 == 1 and micro == micro_batches - 1:
                 self.adam.should_sync = True  # the post-accumulate hooks launch Adam's reduce-scatters
             batch = batches.get(settings if micro == 0 else None)
-            # (graphs only with one process: there DistAdam's gradient hooks launch nothing)
             if self.graphs is not None and self.graphs.run(
                     batch, ws_short, ws_long, micro_batches,
                     lambda inputs, targets, cu_seqlens, divisor:
@@ -3411,9 +3443,14 @@ class Trainer:
     def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor) -> Tensor:
         """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward. Returns
         the loss, detached."""
-        loss = self.model(inputs, targets, cu_seqlens, ws_short, ws_long, self.args.train_max_seq_len)
-        (loss / divisor).backward()
+        with self.cpu_gemms():
+            loss = self.model(inputs, targets, cu_seqlens, ws_short, ws_long, self.args.train_max_seq_len)
+            (loss / divisor).backward()
         return loss.detach()
+
+    def cpu_gemms(self):
+        """Where the model's GEMMs run in fp32 (a CPU without native bf16 GEMMs), else nothing."""
+        return bf16_gemms_in_fp32() if self.rt.bf16_gemms_in_fp32 else contextlib.nullcontext()
 
     def set_schedules(self, step: int):
         lr = get_lr(step, self.args)
@@ -3432,7 +3469,8 @@ class Trainer:
         for inputs, targets, cu_seqlens in validation_batches(self.val_file, a.val_batch_size, a.val_tokens,
                                                               self.rt.grad_accum_steps, self.rt.rank, self.rt.world_size,
                                                               self.rt.device):
-            total += self.model(inputs, targets, cu_seqlens, ws_short, ws_long, num_tokens)
+            with self.cpu_gemms():
+                total += self.model(inputs, targets, cu_seqlens, ws_short, ws_long, num_tokens)
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 break
@@ -3656,21 +3694,38 @@ def host_wait_summary(prof) -> str:
     return ", ".join(f"{name} {n}x {ms:.2f} ms" for name, (n, ms) in sorted(found.items())) or "none"
 
 
-def summarize_profile(prof, title: str) -> str:
-    """Communication vs compute on the GPU timeline of one step: busy time of each, their overlap, and the
-    start/duration of every NCCL kernel relative to the first kernel of the step."""
-    kernels = [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()
-               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
-    if not kernels:
-        return f"profile ({title}): no GPU kernels recorded\n"
+def profile_kernels(prof) -> list:
+    """(name, start ms, end ms) of every GPU kernel a profile recorded."""
+    return [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()
+            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+
+
+def profile_timeline(kernels: list) -> dict:
+    """ms of the GPU timeline: its span, compute and communication (NCCL) busy time, the communication that
+    overlaps compute, the exposed rest (communication alone on the GPU) and the idle time."""
     t0 = min(k[1] for k in kernels)
     comm = [(a, b) for n, a, b in kernels if "nccl" in n.lower()]
     compute = [(a, b) for n, a, b in kernels if "nccl" not in n.lower()]
     span = max(k[2] for k in kernels) - t0
+    comm_busy, overlapped = _union_length(comm), _intersection_length(comm, compute)
+    return dict(span_ms=span, compute_busy_ms=_union_length(compute), communication_busy_ms=comm_busy,
+                communication_overlapped_ms=overlapped, communication_exposed_ms=comm_busy - overlapped,
+                idle_ms=span - _union_length(compute + comm))
+
+
+def summarize_profile(prof, title: str) -> str:
+    """Communication vs compute on the GPU timeline of one step: busy time of each, their overlap, and the
+    start/duration of every NCCL kernel relative to the first kernel of the step."""
+    kernels = profile_kernels(prof)
+    if not kernels:
+        return f"profile ({title}): no GPU kernels recorded\n"
+    t0 = min(k[1] for k in kernels)
+    compute = [(a, b) for n, a, b in kernels if "nccl" not in n.lower()]
+    t = profile_timeline(kernels)
     out = [f"profile ({title}); times in ms from the step's first GPU kernel",
-           f"GPU span {span:.2f}  compute busy {_union_length(compute):.2f}  communication busy {_union_length(comm):.2f}  "
-           f"communication overlapped with compute {_intersection_length(comm, compute):.2f}  "
-           f"idle {span - _union_length(compute + comm):.2f}",
+           f"GPU span {t['span_ms']:.2f}  compute busy {t['compute_busy_ms']:.2f}  communication busy "
+           f"{t['communication_busy_ms']:.2f}  communication overlapped with compute "
+           f"{t['communication_overlapped_ms']:.2f}  idle {t['idle_ms']:.2f}",
            "host waits (CUDA runtime calls that block the CPU): " + host_wait_summary(prof),
            "", "NCCL kernels: start  duration  overlapped-with-compute  name"]
     for n, a, b in sorted((k for k in kernels if "nccl" in k[0].lower()), key=lambda k: k[1]):
@@ -3748,6 +3803,45 @@ def peak_memory_line(device: str) -> str:
     return f"peak memory allocated: {rss} MiB reserved: {rss} MiB"
 
 
+# --- bf16 GEMMs on CPUs without native bf16 ---
+# oneDNN runs bf16 GEMMs natively on x86 CPUs with AVX-512 (and AMX); on AVX2-only ones (most laptops and AMD
+# servers) ATen falls back to loops 5-7x slower than an fp32 GEMM, and the smoke run's bf16 lm_head alone would
+# take minutes. A bf16 x bf16 product is exact in fp32, so an fp32 GEMM of the bf16 operands, rounded once to bf16,
+# is what a bf16 GEMM with fp32 accumulation computes (up to the order of the sums): on such CPUs the eager CPU
+# path routes every bf16 GEMM, forward and backward, through fp32.
+
+def native_bf16_gemms() -> bool:
+    """Whether ATen hands bf16 GEMMs on this CPU to oneDNN (honours ONEDNN_MAX_CPU_ISA)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_Bf16GemmsInFp32 = None
+
+
+def bf16_gemms_in_fp32():
+    """A dispatch mode (sees the backward's GEMMs too) that computes bf16 CPU GEMMs in fp32 and rounds the result
+    once. Made on first use: its base class lives in a private torch module."""
+    global _Bf16GemmsInFp32
+    if _Bf16GemmsInFp32 is None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        aten = torch.ops.aten
+        gemms = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+        class Bf16GemmsInFp32(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in gemms and args[-1].dtype == torch.bfloat16 and args[-1].device.type == "cpu":
+                    wide = [a.float() if isinstance(a, Tensor) else a for a in args]
+                    return func(*wide, **kwargs).bfloat16()
+                return func(*args, **kwargs)
+
+        _Bf16GemmsInFp32 = Bf16GemmsInFp32
+    return _Bf16GemmsInFp32()
+
+
 # =====================================================================================
 # main(): settings -> runtime -> trainer -> run
 # =====================================================================================
@@ -3773,6 +3867,7 @@ class Runtime:
     trunk_graphs: int = 1             # compiled graphs the trunk is split into (GPT.trunk_bounds)
     parallel_compile: bool = False    # compile workers were started for the jobs beyond this process's first
     cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)
+    bf16_gemms_in_fp32: bool = False  # a CPU without native bf16 GEMMs: they run in fp32 (Bf16GemmsInFp32)
 
     @property
     def master(self) -> bool:
@@ -3791,7 +3886,7 @@ class Runtime:
                 f'fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
                 f'fa4_launch_replay={int(self.fa4_launch_replay)} quack_plans={int(self.quack_plans)} '
                 f'trunk_graphs={self.trunk_graphs} parallel_compile={int(self.parallel_compile)} '
-                f'cuda_graphs={int(self.cuda_graphs)} '
+                f'cuda_graphs={int(self.cuda_graphs)} bf16_gemms_in_fp32={int(self.bf16_gemms_in_fp32)} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
@@ -3814,7 +3909,6 @@ def pick_device(args: Hyperparameters) -> str:
     if args.device == "cuda":
         raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu (slow; try --smoke)")
     if args.smoke:
-        print("warning: no CUDA device found, running the smoke preset on the CPU", file=sys.stderr)
         return "cpu"
     raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
 
@@ -3840,15 +3934,12 @@ def resolve_trunk_graphs(args: Hyperparameters, device: str, env=os.environ) -> 
     return args.trunk_graphs or (PARALLEL_TRUNK_GRAPHS if parallel_compile_configured(args, device, env) else 1)
 
 
-def resolve_cuda_graphs(args: Hyperparameters, device: str, world_size: int, use_compile: bool) -> bool:
+def resolve_cuda_graphs(args: Hyperparameters, device: str, use_compile: bool) -> bool:
     if args.cuda_graphs == "on":
         if device != "cuda":
             raise ConfigError("--cuda-graphs on needs a CUDA GPU: use --cuda-graphs auto or off")
-        if world_size > 1:
-            raise ConfigError("--cuda-graphs on works with one training process only (DistAdam's reduce-scatters "
-                              "start inside the backward, which a graph cannot replay): use --cuda-graphs auto or off")
         return True
-    return args.cuda_graphs == "auto" and device == "cuda" and world_size == 1 and use_compile
+    return args.cuda_graphs == "auto" and device == "cuda" and use_compile
 
 
 def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: bool = False) -> Runtime:
@@ -3856,6 +3947,9 @@ def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: boo
     parallel_compile: whether compile workers were started (decided earlier: see wants_parallel_compile)."""
     world_size = int(env.get("WORLD_SIZE", 1))
     device = pick_device(args)
+    if device != args.device and device == "cpu" and int(env.get("RANK", 0)) == 0:
+        print("note: no CUDA device found, so the smoke run trains on the CPU (--device cpu says so and silences "
+              "this)", file=sys.stderr, flush=True)
     use_compile = compile_enabled(args, device)
     if args.fp8 == "on" and device != "cuda":
         raise ConfigError("--fp8 on needs a CUDA GPU (FP8 matmuls); use --fp8 auto or off on the CPU")
@@ -3874,9 +3968,26 @@ def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: boo
                    quack_plans=args.quack_plans and mlp_kernel == "quack",
                    quack_attn_proj=args.quack_attn_proj and mlp_kernel == "quack",
                    trunk_graphs=resolve_trunk_graphs(args, device, env), parallel_compile=parallel_compile,
-                   cuda_graphs=resolve_cuda_graphs(args, device, world_size, use_compile))
+                   cuda_graphs=resolve_cuda_graphs(args, device, use_compile),
+                   bf16_gemms_in_fp32=device == "cpu" and not use_compile and not native_bf16_gemms())
     startup_mark("kernel libraries")  # resolving the backends imports FlashAttention-4's and quack's CuTe DSL
     return rt
+
+
+def check_log_dir(folder: Path) -> None:
+    """The log folder must be one this process can write in, or create: checked before anything is written or
+    launched, so that a bad --log-dir is one line and not a traceback once the run has started."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--log-dir {folder}: {existing} is a file, not a folder; pick another --log-dir")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--log-dir {folder}: cannot write in {existing} ({e.strerror or e}); pick a folder you "
+                          "can write in") from None
 
 
 def find_data(args: Hyperparameters, rt: Runtime):
@@ -3960,6 +4071,7 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path, workers: "
     """Everything a run needs, in one place (run() and bench/bench.py both call this): data checked first, then
     the process group, the log with its header, the model and optimizers. workers: start_compile_workers'."""
     train_files, val_file = find_data(args, rt)
+    check_log_dir(log_path.parent)
     setup_process_group(rt)
     startup_mark("CUDA and process group")
     log = Logger(log_path, rt.master)
@@ -3979,7 +4091,7 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path, workers: "
         torch.manual_seed(args.seed)
     model, adam, muon = build_model_and_optimizers(args, rt)
     startup_mark("model and optimizers")
-    graphs = MicroBatchGraphs(model) if rt.cuda_graphs else None
+    graphs = MicroBatchGraphs(model, adam) if rt.cuda_graphs else None
     return Trainer(args, rt, model, adam, muon, train_files, val_file, log, workers, graphs)
 
 
@@ -4310,6 +4422,7 @@ def run(args: Hyperparameters) -> None:
         rt = resolve_runtime(args)
         if args.check:
             find_data(args, rt)
+            check_log_dir(Path(args.log_dir))
         print(f"check: ok: {rt.world_size} process(es) on {rt.device}, attention {rt.attn_backend}, "
               f"{rt.grad_accum_steps} micro-batch(es) per step, "
               f"data {args.data_path if args.check else 'not checked'}", flush=True)

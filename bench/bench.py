@@ -1,9 +1,12 @@
 """Throughput benchmark: one device call, one table, one JSON.
 
     python bench/bench.py --out bench/results/<date>_<device>_bench.json [--steps 24] [--cached-start]
+    torchrun --standalone --nproc_per_node=2 bench/bench.py --stages-only --as-world-size 8 --out ...
 
-World size 1, synthetic document-structured tokens (the loss is meaningless; the shapes, the data loader and
-every kernel are the real run's). Measures, in this order:
+Synthetic document-structured tokens (the loss is meaningless; the shapes, the data loader and every kernel are the
+real run's), on one GPU or under torchrun (rank 0 writes). --as-world-size K runs every rank with the micro-batches
+of a K-GPU run (8: one micro-batch per rank and step, of a 1/8 of the batch), so two GPUs time what a rank of the
+8-GPU speedrun does, its collectives excepted (they are the W ranks' here). Measures, in this order:
   * cold start: process start -> end of the kernel warm-up (every train and eval graph compiled), i.e. the moment
     the real script starts its timed loop; with --cached-start a second process measures it again with the
     Inductor/Triton caches this one left behind. `-- --compile-cache FILE` loads the trainer's portable bundle first
@@ -11,8 +14,9 @@ every kernel are the real run's). Measures, in this order:
     the warm-up, outside the clock
   * per batch-size stage: median ms/step over --steps steps (CUDA-synchronised per step), the host's enqueue time
     per step (well below the step time: bound by the GPU; close to it: the profile's GPU idle time tells whether
-    the CPU is the limit), tokens/s, MFU, peak memory; with --profile-stages, one profiled step of the stages named
-    (GPU idle time, top kernels, host time by op).
+    the CPU is the limit), tokens/s, MFU, peak memory; with several processes, the GPU timeline of one profiled
+    step (compute, communication, the communication no compute hides); with --profile-stages, one profiled step
+    of the stages named written out (GPU idle time, top kernels, host time by op).
     The timed steps run under train_gpt.no_compiles_allowed(): any recompilation there aborts the benchmark
   * NorMuon step alone, DistAdam step alone (same model, real gradients)
   * the orthogonalizer alone on the real NorMuon stacks (their momentum buffers): Polar Express vs Turbo-Muon,
@@ -70,12 +74,15 @@ def synthetic_tokens(num_tokens: int, seed: int) -> np.ndarray:
 
 
 def write_shard(path: Path, tokens: np.ndarray) -> Path:
+    """Written aside and renamed: the ranks of a torchrun make the same shards at the same time."""
     header = np.zeros(tg.HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = tg.SHARD_MAGIC, tg.SHARD_VERSION, len(tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.astype("<u2").tobytes())
+    os.replace(tmp, path)
     return path
 
 
@@ -142,13 +149,15 @@ def relative_error(a: Tensor, b: Tensor) -> float:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'stage':<10} {'tokens/step':>11} {'windows':>8} {'ms/step':>8} {'ref ms':>7} {'x ref':>6} "
-             f"{'tokens/s':>10} {'MFU':>6} {'MFU@798':>7} {'peak in use':>11}"]
+    lines = [f"world size {result.get('world_size', 1)}, each rank as a rank of {result.get('as_world_size', 1)} GPUs",
+             f"{'stage':<10} {'tokens/step':>11} {'windows':>8} {'ms/step':>8} {'host ms':>7} {'comm exp':>8} "
+             f"{'ref ms':>7} {'x ref':>6} {'tokens/s':>10} {'MFU':>6} {'MFU@798':>7} {'peak in use':>11}"]
     for s in result["stages"]:
         ref = s.get("reference_ms")
         ratio = f"{s['median_ms'] / ref:.3f}" if ref else ""
+        exposed = f"{s['timeline']['communication_exposed_ms']:.2f}" if s.get("timeline") else ""
         lines.append(f"{s['name']:<10} {s['tokens_per_step']:>11,} {s['windows']:>8} {s['median_ms']:>8.1f} "
-                     f"{ref if ref else '':>7} {ratio:>6} "
+                     f"{s.get('host_ms', 0):>7.1f} {exposed:>8} {ref if ref else '':>7} {ratio:>6} "
                      f"{s['tokens_per_s']:>10,.0f} {100 * s['mfu']:>5.1f}% {100 * s.get('mfu_vs_798', 0):>6.1f}% "
                      f"{s.get('peak_in_use_gib', s['peak_allocated_gib']):>8.2f} GiB")  # + the graphs' pool
     c = result["cold_start"]
@@ -187,9 +196,11 @@ def folder_mb(path: Path) -> float:
 
 
 def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profile_stages=(),
-                   profile_stem: Path = None) -> list:
-    """Median step time per stage; for the stage numbers in profile_stages, also one profiled step written to
-    <profile_stem>_stage<N>.txt (GPU busy/idle, top kernels, host time by op)."""
+                   profile_stem: Path = None, reference: dict = None) -> list:
+    """Median step time per stage; with several processes also the GPU timeline of one profiled step; for the stage
+    numbers in profile_stages, one profiled step written to <profile_stem>_stage<N>.txt (GPU busy/idle, top kernels,
+    host time by op). reference: ms per step of the record script per stage number, where comparable."""
+    rt = trainer.rt
     rows, previous_long, step = [], args.ws_schedule[0], 0
     for stage_no, stage in enumerate(tg.stages(args), start=1):  # the extension is number 4: no reference
         name, bs = stage.name, stage.batch_size
@@ -201,32 +212,50 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
 
         def one_step():
             nonlocal step
-            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, trainer.rt.grad_accum_steps)
+            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, rt.grad_accum_steps)
             step += 1
         gc.collect()  # as the trainer does before its timed loop: no gen-2 collection inside the timed steps
+        timeline = None
         with tg.no_compiles_allowed():
             walls_hosts = timed_with_host(one_step, steps + 2)[2:]  # the first two refill the loader's queue
+            if rt.world_size > 1:  # every rank profiles the same steps: their collectives pair up
+                timeline = timeline_per_step(one_step)
             if stage_no in profile_stages:
-                profile_path = Path(f"{profile_stem}_stage{stage_no}.txt")
-                profile_path.write_text(profiled(one_step, f"bench: a stage-{stage_no} step ({name}), world size 1"))
+                text = profiled(one_step, f"bench: a stage-{stage_no} step ({name}), world size {rt.world_size}")
+                if rt.master:
+                    Path(f"{profile_stem}_stage{stage_no}.txt").write_text(text)
         times = [w for w, _ in walls_hosts]
         allocated_gib = torch.cuda.max_memory_allocated() / 2 ** 30
         pool_gib = tg.CudaGraph.pool_bytes() / 2 ** 30 if trainer.graphs is not None else 0.0
         ms = statistics.median(times)
         host_ms = statistics.median(h for _, h in walls_hosts)
+        per_gpu = bs / rt.world_size / (ms / 1000)  # tokens/s of one GPU
         rows.append(dict(name=name, tokens_per_step=bs, windows=f"{stage.ws_short},{stage.ws_long}", steps=len(times),
+                         micro_batches_per_rank=rt.grad_accum_steps,
+                         tokens_per_micro_batch=bs // (rt.grad_accum_steps * rt.world_size),
                          median_ms=ms, mean_ms=statistics.fmean(times), min_ms=min(times), max_ms=max(times),
-                         host_ms=host_ms,
-                         tokens_per_s=bs / (ms / 1000), mfu=mfu(bs / (ms / 1000), n_params, peak),
-                         mfu_vs_798=mfu(bs / (ms / 1000), n_params, REFERENCE_PEAK_TFLOPS * 1e12),
+                         host_ms=host_ms, host_share=host_ms / ms,
+                         tokens_per_s=bs / (ms / 1000), mfu=mfu(per_gpu, n_params, peak),
+                         mfu_vs_798=mfu(per_gpu, n_params, REFERENCE_PEAK_TFLOPS * 1e12),
                          peak_allocated_gib=allocated_gib,
                          peak_reserved_gib=torch.cuda.max_memory_reserved() / 2 ** 30,
                          # the graphs' pool: their temporaries, in use during replays but not in the allocated count
                          graph_pool_gib=pool_gib,
                          peak_in_use_gib=allocated_gib + pool_gib,
-                         reference_ms=REFERENCE_H100_MS.get(stage_no)))
-        print(f"{name}: {ms:.1f} ms/step (median of {len(times)}; host enqueue {host_ms:.1f} ms)", flush=True)
+                         timeline=timeline,
+                         reference_ms=(reference or {}).get(stage_no)))
+        if rt.master:
+            exposed = f"; communication exposed {timeline['communication_exposed_ms']:.2f} ms" if timeline else ""
+            print(f"{name}: {ms:.1f} ms/step (median of {len(times)}; host enqueue {host_ms:.1f} ms{exposed})",
+                  flush=True)
     return rows
+
+
+def timeline_per_step(one_step) -> dict:
+    """The GPU timeline (tg.profile_timeline) of two steps profiled together, per step: one step with Adam's
+    collectives and one without (it steps every other step)."""
+    return {k: v / 2 for k, v in tg.profile_timeline(tg.profile_kernels(profile_of(lambda: (one_step(), one_step()))))
+            .items()}
 
 
 def check_cuda_graphs(trainer, args) -> dict:
@@ -257,9 +286,13 @@ def check_cuda_graphs(trainer, args) -> dict:
                     trainer.graphs = graphs if name.startswith("graphs") else None
                     model.zero_grad(set_to_none=True)
                     losses[name] = []
-                    trainer.accumulate_gradients(0, trainer.new_batches(stage.batch_size), None, stage.ws_short,
+                    # an odd step: with several processes its last micro-batch launches Adam's reduce-scatters
+                    trainer.accumulate_gradients(1, trainer.new_batches(stage.batch_size), None, stage.ws_short,
                                                  stage.ws_long, trainer.rt.grad_accum_steps, losses[name])
-                    grads[name] = [p.grad.detach().float().clone() for p in model.parameters()]
+                    trainer.adam.should_sync = False
+                    averaged = [trainer.adam._grad_slices[p] for p in trainer.adam.join_reduce_scatters()]
+                    trainer.adam._pending.clear()  # no optimizer step follows
+                    grads[name] = [g.detach().float().clone() for g in [p.grad for p in model.parameters()] + averaged]
                     losses[name] = [x.float() for x in losses[name]]
                 rows.append(dict(stage=stage.name,
                                  losses_graphs_vs_eager=differences(losses["graphs"], losses["eager"]),
@@ -272,7 +305,8 @@ def check_cuda_graphs(trainer, args) -> dict:
         model.zero_grad(set_to_none=True)
         model.yarn.reset()
     return dict(what="one step per stage from the same weights and batches: each micro-batch's loss and the "
-                     "step's gradients", captures=graphs.captures, stages=rows)
+                     "step's gradients (with several processes also DistAdam's reduce-scattered averages)",
+                world_size=trainer.rt.world_size, captures=graphs.captures, stages=rows)
 
 
 def measure_optimizers(trainer, args, repeats: int = 20) -> dict:
@@ -355,20 +389,37 @@ def gpu_time_by_op_and_shape(prof, rows: int = 25) -> str:
     return "GPU time by op and input shapes (self CUDA time):\n" + table
 
 
-def profiled(step, title: str) -> str:
+def profile_of(step, record_shapes: bool = False):
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=record_shapes) as prof:
         step()
         torch.cuda.synchronize()
+    return prof
+
+
+def profiled(step, title: str) -> str:
+    prof = profile_of(step, record_shapes=True)
     return (tg.summarize_profile(prof, title) + "\n" + host_time_by_op(prof) + "\n"
             + gpu_time_by_op_and_shape(prof))
 
 
-def measure_profile(trainer, args, out_path: Path) -> str:
-    text = profiled(stage3_step(trainer, args), "bench: stage-3 step (odd: NorMuon + DistAdam), world size 1")
-    out_path.write_text(text)
+def measure_profile(trainer, args, out_path: Path, master: bool = True) -> str:
+    text = profiled(stage3_step(trainer, args), f"bench: stage-3 step (odd: NorMuon + DistAdam), world size "
+                                                f"{trainer.rt.world_size}")
+    if master:
+        out_path.write_text(text)
     return text
+
+
+def as_world_size(args: tg.Hyperparameters, world: int, as_world: int) -> tg.Hyperparameters:
+    """Batch sizes for W processes that each run a rank of an as_world-GPU run: every batch shrinks by
+    W / as_world, so that a micro-batch keeps the as_world run's token count (batch / 8)."""
+    def scale(tokens: int) -> int:
+        return tokens * world // as_world
+    return dataclasses.replace(args, train_bs_schedule=tuple(map(scale, args.train_bs_schedule)),
+                               train_bs_extension=scale(args.train_bs_extension),
+                               val_batch_size=scale(args.val_batch_size), val_tokens=scale(args.val_tokens))
 
 
 def bench_args(data_dir: Path, seed: int, train_flags=()) -> tg.Hyperparameters:
@@ -417,6 +468,9 @@ def main(argv=None) -> int:
     ap.add_argument("--check-graphs", action="store_true",
                     help="after the timings, compare one step's gradients per stage with and without the CUDA "
                          "graphs, next to two eager runs' difference (also with --stages-only)")
+    ap.add_argument("--as-world-size", type=int, default=0, metavar="K",
+                    help="run each rank as a rank of a K-GPU run does: 8 // K micro-batches per step of 1/8 of the "
+                         "stage's batch each (the global batch shrinks by W/K; timing only). Default: this run's W")
     ap.add_argument("train_flags", nargs="*", metavar="-- TRAIN_FLAGS",
                     help="train_gpt.py flags for an A/B, after `--` (e.g. -- --attn-backend varlen --fp8 off)")
     a = ap.parse_args(argv)
@@ -425,8 +479,16 @@ def main(argv=None) -> int:
         return 2
     cache = inductor_cache_dir()
     cache_present = folder_mb(cache) > 1.0
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    master = int(os.environ.get("RANK", 0)) == 0
+    as_world = a.as_world_size or world
     try:
-        args = bench_args(Path(a.data_dir), seed=1234, train_flags=a.train_flags)
+        if as_world not in (1, 2, 4, 8) or as_world % world:
+            raise tg.ConfigError(f"--as-world-size {as_world} with {world} process(es): give 1, 2, 4 or 8, a "
+                                 f"multiple of the processes")
+        if a.cached_start and world > 1:
+            raise tg.ConfigError("--cached-start measures one process: run it without torchrun")
+        args = as_world_size(bench_args(Path(a.data_dir), seed=1234, train_flags=a.train_flags), world, as_world)
     except tg.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -440,8 +502,9 @@ def main(argv=None) -> int:
     cache_path, cache_loaded, cache_line = tg.open_compile_cache(args)  # -- --compile-cache FILE, as the trainer
     workers = tg.start_compile_workers(args, cache_loaded)  # as the trainer: helpers compile the other jobs
     try:
-        trainer = tg.build_trainer(args, tg.resolve_runtime(args, parallel_compile=workers is not None),
-                                   out.parent / "bench_log.txt", workers)
+        rt = tg.resolve_runtime(args, parallel_compile=workers is not None)
+        rt = dataclasses.replace(rt, grad_accum_steps=tg.grad_accum_steps_for(as_world))
+        trainer = tg.build_trainer(args, rt, out.parent / "bench_log.txt", workers)
         t = time.time()
         trainer.warm_up_kernels()
         warm_up_s = time.time() - t
@@ -449,7 +512,7 @@ def main(argv=None) -> int:
         if workers is not None:
             workers.stop()
     this_process_s = time.time() - tg.PROCESS_START - data_s
-    cache_note = tg.compile_cache_after_warm_up(cache_path, cache_loaded)  # after the clock stops, as the trainer
+    cache_note = tg.compile_cache_after_warm_up(cache_path, cache_loaded) if master else ""  # as the trainer
     if cache_note:
         cache_line = (cache_line + "; " if cache_line else "") + cache_note
     cold = dict(this_process_s=this_process_s, synthetic_data_s=data_s, warm_up_s=warm_up_s,
@@ -458,10 +521,12 @@ def main(argv=None) -> int:
                 triton_cache_mb_after=folder_mb(Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))),
                 before_warm_up_parts_s=tg.startup_seconds(), warm_up_parts_s=dict(trainer.warm_up_times),
                 compile_cache=cache_line, compile_workers_s=getattr(workers, "seconds", None), **compile_report())
-    print(f"cold start {cold['this_process_s']:.1f}s (warm-up {warm_up_s:.1f}s)", flush=True)
+    say = print if master else (lambda *_, **__: None)
+    say(f"cold start {cold['this_process_s']:.1f}s (warm-up {warm_up_s:.1f}s)", flush=True)
     if a.cold_start_only:
         out.write_text(json.dumps(cold))
         return 0
+    write = out.write_text if master else (lambda _: None)
 
     n_params = matmul_params(trainer.model)
     peak = bf16_peak_flops()
@@ -469,7 +534,8 @@ def main(argv=None) -> int:
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
         cuda=torch.version.cuda, python=platform.python_version(), commit=a.commit or git_commit(),
         date=datetime.date.today().isoformat(), command=" ".join([Path(sys.executable).name, *sys.argv]),
-        world_size=1, data="synthetic document-structured tokens (log-normal lengths, median 600)",
+        world_size=world, as_world_size=as_world,
+        data="synthetic document-structured tokens (log-normal lengths, median 600)",
         train_flags=a.train_flags, runtime=dataclasses.asdict(trainer.rt),
         dynamic_seq_len=trainer.rt.dynamic_seq_len, fused_fp8_head=args.fused_fp8_head,
         ce_backward_tile=list(args.ce_backward_tile), matmul_params=n_params, bf16_peak_tflops=peak / 1e12,
@@ -478,19 +544,20 @@ def main(argv=None) -> int:
     result["timed_steps_recompiles"] = "none: every timed step ran under train_gpt.no_compiles_allowed()"
     profile_stages = tuple(int(n) for n in a.profile_stages.split(",") if n.strip())
     result["stages"] = measure_stages(trainer, args, a.steps, n_params, peak, profile_stages,
-                                      out.with_name(out.stem + "_profile"))
+                                      out.with_name(out.stem + "_profile"),
+                                      REFERENCE_H100_MS if world == as_world == 1 else None)
     result["stage_profiles"] = [f"{out.stem}_profile_stage{n}.txt" for n in profile_stages]
     if a.check_graphs:
         result["cuda_graphs_check"] = check_cuda_graphs(trainer, args)
-        print(f"CUDA graphs check: {result['cuda_graphs_check']}", flush=True)
+        say(f"CUDA graphs check: {result['cuda_graphs_check']}", flush=True)
     result["host_syncs_in_a_stage3_step"] = count_host_syncs(trainer, args)
-    out.write_text(json.dumps(result, indent=1))  # partial results survive a later failure
+    write(json.dumps(result, indent=1))  # partial results survive a later failure
     if not a.stages_only:
         result["optimizers"] = measure_optimizers(trainer, args)
         result["orthogonalizer"] = measure_orthogonalizer(trainer.muon)
-        out.write_text(json.dumps(result, indent=1))
+        write(json.dumps(result, indent=1))
         profile_path = out.with_name(out.stem + "_profile.txt")
-        measure_profile(trainer, args, profile_path)
+        measure_profile(trainer, args, profile_path, master)
         result["profile"] = profile_path.name
     if a.cached_start:
         tmp = out.with_name(out.stem + "_cached_start.json")
@@ -500,8 +567,8 @@ def main(argv=None) -> int:
         cold["cached_warm_up_s"] = json.loads(tmp.read_text())["warm_up_s"]
         tmp.unlink()
     result["cold_start"] = cold
-    out.write_text(json.dumps(result, indent=1))
-    print(format_table(result))
+    write(json.dumps(result, indent=1))
+    say(format_table(result))
     return 0
 
 

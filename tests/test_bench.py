@@ -189,3 +189,75 @@ def test_profile_lists_ops_by_their_input_shapes():
     text = bench.gpu_time_by_op_and_shape(prof)
     assert text.startswith("GPU time by op and input shapes")
     assert any("aten::transpose" in line and "[64, 32]" in line for line in text.splitlines())
+
+
+def test_as_world_size_gives_every_micro_batch_the_token_count_of_the_wider_run():
+    """Two processes as ranks of an 8-GPU run: one micro-batch per rank and step, each of 1/8 of the stage's batch."""
+    full = bench.bench_args(Path("/tmp/bench_data"), seed=1)
+    args = bench.as_world_size(full, world=2, as_world=8)
+    micro_batches = tg.grad_accum_steps_for(8)
+    assert micro_batches == 1
+    for scaled, original in zip((*args.train_bs_schedule, args.train_bs_extension, args.val_batch_size),
+                                (*full.train_bs_schedule, full.train_bs_extension, full.val_batch_size)):
+        assert scaled // (micro_batches * 2) == original // 8
+    assert args.val_tokens == args.val_batch_size  # one validation step, as bench_args sets it
+    assert bench.as_world_size(full, world=1, as_world=1) == full
+
+
+@pytest.mark.parametrize("flags, env", [(["--as-world-size", "3"], {}), (["--as-world-size", "1"], {"WORLD_SIZE": "2"}),
+                                        (["--cached-start"], {"WORLD_SIZE": "2"})])
+def test_bench_refuses_a_world_it_cannot_stand_for_in_one_line(monkeypatch, capsys, flags, env):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert bench.main(["--out", "/nonexistent/x.json", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+
+
+def test_profile_timeline_counts_the_communication_no_compute_hides():
+    """NCCL busy 1-2 ms (under a GEMM) and 4-6 ms (alone): 3 ms busy, 1 overlapped, 2 exposed; idle 0."""
+    kernels = [("gemm", 0.0, 4.0), ("ncclDevKernel_ReduceScatter", 1.0, 2.0), ("ncclDevKernel_AllGather", 4.0, 6.0),
+               ("relu", 6.0, 7.0)]
+    t = tg.profile_timeline(kernels)
+    assert t == dict(span_ms=7.0, compute_busy_ms=5.0, communication_busy_ms=3.0, communication_overlapped_ms=1.0,
+                     communication_exposed_ms=2.0, idle_ms=0.0)
+
+
+def test_the_8_gpu_step_launches_the_records_normuon_groups_and_every_adam_collective_every_other_step():
+    import nccl_bandwidth
+    rows = nccl_bandwidth.step_collectives(8)
+    normuon = {what.split(" (")[0]: nbytes for op, what, _, nbytes, per_step in rows
+               if op == "reduce_scatter" and per_step == 1.0}
+    # groups of 1, 10, 16 and 16 matrices, each padded to 8 x ceil(n / 8); the hidden matrices are fp32
+    assert normuon["NorMuon attn+mlp"] == normuon["NorMuon mlp"] == 16 * 3072 * 768 * 4
+    assert normuon["NorMuon attn_gate"] == 16 * 6 * 12 * 2
+    adam = [(what, nbytes) for op, what, _, nbytes, per_step in rows if per_step == 0.5]
+    assert len(adam) == 2 * 6 and sum(n for _, n in adam) == 2 * (5 * 50304 * 768 * 2 + 64 * 4)
+
+
+def test_the_8_gpu_model_adds_to_an_eighth_of_one_gpus_step_the_idle_time_and_the_exposed_communication(tmp_path):
+    import json
+    import predict_8gpu
+    args = tg.Hyperparameters()
+    names = [s.name for s in tg.stages(args)]
+    timeline = dict(communication_busy_ms=4.0, communication_exposed_ms=1.0, idle_ms=0.5, compute_busy_ms=30.0)
+    rank = dict(world_size=2, as_world_size=8, stages=[
+        dict(name=n, median_ms=ms, host_ms=ms / 4, timeline=timeline) for n, ms in zip(names, (30, 50, 70, 70))])
+    w1 = dict(world_size=1, as_world_size=1, stages=[dict(name=n, median_ms=ms) for n, ms in
+                                                     zip(names, (200, 400, 600, 608))])
+    files = {}
+    for name, content in (("rank", rank), ("w1", w1), ("nccl", dict(for_world_size=8, per_step_ms_at_target=8.0))):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(content))
+    argv = ["--rank-bench", str(files["rank"]), "--w1-bench", str(files["w1"]), "--nccl", str(files["nccl"])]
+    assert predict_8gpu.main(argv + ["--out", str(tmp_path / "p.json")]) == 0
+    p = json.loads((tmp_path / "p.json").read_text())
+    # 200 / 8 + 0.5 idle + 8 ms of W=8 collectives x the quarter W=2 leaves exposed
+    assert [r["predicted_ms"] for r in p["stages"]] == [27.5, 52.5, 77.5, 78.5]
+    assert [r["record_ms"] for r in p["stages"]] == [33.0, 60.0, 87.5, 88.0]  # the upstream logs' medians
+    assert p["steps_per_stage"] == {"stage 1": 707, "stage 2": 707, "stage 3": 706, "extension": 40}
+    assert p["predicted_total_s"] == pytest.approx((707 * 27.5 + 707 * 52.5 + 706 * 77.5 + 40 * 78.5) / 1000)
+    assert p["record_total_s"] == pytest.approx(131.156)
+    files["rank"].write_text(json.dumps(dict(rank, as_world_size=1)))
+    assert predict_8gpu.main(argv) == 2

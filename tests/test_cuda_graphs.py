@@ -4,6 +4,7 @@ reruns the captured function on the graph's own tensors pins down everything aro
 eagerly, which is captured and which replayed, the graph's copies of the batch, its gradient buffers, the loss's
 divisor and the keys."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(tra
                                  opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
     eager, eager_losses = train_steps(trainer, None)
     from_the_start(trainer, initial)
-    graphs = tg.MicroBatchGraphs(trainer.model, new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, new_graph=RerunGraph)
     graphed, graphed_losses = train_steps(trainer, graphs)
     from_the_start(trainer, initial)
     assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
@@ -81,7 +82,7 @@ def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(tra
 
 
 def test_a_stage_gets_a_new_graph_when_its_windows_or_softmax_scale_change(trainer):
-    graphs = tg.MicroBatchGraphs(trainer.model, new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, new_graph=RerunGraph)
     batch = (torch.zeros(128, dtype=torch.int32), torch.zeros(128, dtype=torch.int64),
              torch.zeros(4, dtype=torch.int32))
     base = graphs.key(batch, 1, 3)
@@ -97,7 +98,7 @@ def test_a_stage_gets_a_new_graph_when_its_windows_or_softmax_scale_change(train
 
 def test_gradients_set_to_none_come_back_zeroed_and_eager_ones_are_copied_into_the_buffers(trainer):
     model = trainer.model
-    graphs = tg.MicroBatchGraphs(model, new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(model, trainer.adam, new_graph=RerunGraph)
     try:
         for p in model.parameters():
             p.grad = torch.full_like(p, 2.0)
@@ -114,13 +115,52 @@ def test_gradients_set_to_none_come_back_zeroed_and_eager_ones_are_copied_into_t
         model.zero_grad(set_to_none=True)
 
 
-def test_cuda_graphs_resolve_on_only_for_one_cuda_process_and_refuse_impossible_requests():
+def test_cuda_graphs_resolve_on_with_cuda_and_compile_at_every_world_size_and_refuse_the_cpu():
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off"])
     assert tg.resolve_runtime(args, env={}).cuda_graphs is False  # auto on the CPU
-    assert tg.resolve_cuda_graphs(tg.parse_args([]), "cuda", 1, True) is True
-    assert tg.resolve_cuda_graphs(tg.parse_args([]), "cuda", 8, True) is False
-    assert tg.resolve_cuda_graphs(tg.parse_args(["--cuda-graphs", "off"]), "cuda", 1, True) is False
+    assert tg.resolve_runtime(args, env={"WORLD_SIZE": "2", "RANK": "0"}).cuda_graphs is False  # gloo: eager
+    assert tg.resolve_cuda_graphs(tg.parse_args([]), "cuda", True) is True
+    assert tg.resolve_cuda_graphs(tg.parse_args([]), "cuda", False) is False  # graphs of eager kernels: no
+    assert tg.resolve_cuda_graphs(tg.parse_args(["--cuda-graphs", "off"]), "cuda", True) is False
     with pytest.raises(tg.ConfigError, match="needs a CUDA GPU"):
         tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--cuda-graphs", "on"]), env={})
-    with pytest.raises(tg.ConfigError, match="one training process only"):
-        tg.resolve_cuda_graphs(tg.parse_args(["--cuda-graphs", "on"]), "cuda", 2, True)
+
+
+# Two processes (gloo): the micro-batch that ends an Adam step launches DistAdam's reduce-scatters from its gradient
+# hooks. It gets a graph of its own, whose replay must leave the averaged gradients where DistAdam's step reads them.
+
+def _graphs_against_eager_on_two_ranks(rank, world_size, data):
+    args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0",
+                          "--train-bs-schedule", "512,1024,1536", "--train-bs-extension", "1536",
+                          "--train-max-seq-len", "128", "--data-path", str(data)])
+    rt = tg.resolve_runtime(args, env={"WORLD_SIZE": str(world_size), "RANK": str(rank)})
+    model, adam, muon = tg.build_model_and_optimizers(args, rt)
+    train_files, val_file = tg.find_data(args, rt)
+    trainer = tg.Trainer(args, rt, model, adam, muon, train_files, val_file, tg.Logger("/dev/null", False))
+    args = trainer.args = dataclasses.replace(args, train_bs_schedule=args.train_bs_schedule[:2])
+    initial = copy.deepcopy(dict(model=model.state_dict(), opts=[o.state_dict() for o in (adam, muon)]))
+    eager, eager_losses = train_steps(trainer, None, steps_per_stage=4)
+    from_the_start(trainer, initial)
+    graphs = tg.MicroBatchGraphs(model, adam, new_graph=RerunGraph)
+    graphed, graphed_losses = train_steps(trainer, graphs, steps_per_stage=4)
+    return dict(same_weights=all(torch.equal(a, b) for a, b in zip(graphed, eager)),
+                same_losses=all(torch.equal(a, b) for a, b in zip(graphed_losses, eager_losses)),
+                weights=[w.float().sum().item() for w in graphed],
+                keys=[(key[-1], k) for k, key in enumerate(graphs.graphs)],
+                reduce_scattering=[len(entry[2]) for entry in graphs.graphs.values()],
+                captures=graphs.captures, replays=graphs.replays)
+
+
+@pytest.mark.slow
+def test_two_ranks_replay_the_reduce_scattering_micro_batch_as_its_own_graph_and_match_eager_bit_for_bit(tmp_path):
+    from dist_utils import run_gloo
+    build_shards(tmp_path / "data", train_shards=1, tokens_per_train_shard=80_000, val_tokens=10_000)
+    ranks = run_gloo(_graphs_against_eager_on_two_ranks, 2, tmp_path / "data")
+    for r in ranks:
+        assert r["same_weights"] and r["same_losses"]
+        # per stage (2 here + the extension): the plain micro-batch's graph and the one ending an Adam step, which
+        # reduce-scatters all six of DistAdam's params
+        assert [reduces for reduces, _ in r["keys"]] == [False, True] * 3
+        assert r["reduce_scattering"] == [0, 6] * 3
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # the replicas stay identical
+    assert ranks[0]["captures"] == ranks[1]["captures"] and ranks[0]["replays"] == ranks[1]["replays"]

@@ -1,0 +1,134 @@
+"""A model of the 8-GPU speedrun built from measurements on fewer GPUs: predicted ms per step and stage, and the
+time to the last step, beside the record's own 8xH100 log.
+
+    python bench/predict_8gpu.py --rank-bench RANK8.json --w1-bench W1.json --nccl NCCL.json [--out PREDICTION.json]
+
+Inputs (result JSONs, so the model is rerun, not retyped):
+  --rank-bench  bench/bench.py run as ranks of an 8-GPU run (torchrun --nproc_per_node=2 bench/bench.py --stages-only
+                --as-world-size 8): per stage, a rank that runs the 8-GPU run's one micro-batch per step, its host
+                enqueue time, and its GPU timeline (idle time; communication busy and the part no compute hides)
+  --w1-bench    bench/bench.py on one GPU (--stages-only): the whole step, 8 micro-batches and the optimizers
+  --nccl        bench/nccl_bandwidth.py --for-world-size 8: the collectives of one step at W=8, each timed at W=8's
+                sizes, as bus bandwidth, and so their time at W=8
+Per stage:      predicted = one GPU's step / 8 + the rank's idle time + the communication W=8 leaves exposed.
+  - One GPU's step / 8 is a W=8 rank's compute: its micro-batch is an eighth of the step's, and so is its share of
+    the optimizers (DistAdam's rows, NorMuon's matrices: 4 of the 32 large ones at W=8, against 16 of 32 at W=2,
+    which is why the W=2 rank's own step is longer by that excess).
+  - The exposed share at W=8 is W=2's (what the schedule hides is a property of the step, not of the link), applied
+    to the W=8 collectives' time.
+Leaves out: the link (W=8's NVSwitch taken to give the bus bandwidth two NVLinked GPUs give; this workplace measured
+            329 / 355 / 361 GB/s for a 1 GiB all-reduce on 2 / 4 / 8 H100s); stragglers among 8 ranks; validation
+            (outside the train time); the GPUs' own speed (the prediction is of the machine the inputs ran on).
+"""
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import train_gpt as tg  # noqa: E402
+
+RECORD_LOGS = ROOT / "tests" / "fixtures" / "records"  # the upstream record's two 8xH100 logs
+STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms")
+FINAL_LINE = re.compile(r"^step:(\d+)/\1 val_loss:[\d.]+ train_time:(\d+)ms")
+
+
+def record_stage_ms(logs: list, args: tg.Hyperparameters) -> tuple[dict, float]:
+    """({stage name: median ms per step over the logs' steps of that stage}, mean train time in s) of full runs."""
+    per_stage, totals = {}, []
+    for log in logs:
+        clock = {}
+        for line in Path(log).read_text().splitlines():
+            m = STEP_LINE.match(line)
+            if m:
+                clock[int(m[1])] = int(m[3])
+            m = FINAL_LINE.match(line)
+            if m:
+                totals.append(int(m[2]) / 1000)
+        for step in range(args.num_iterations):
+            if step in clock and step + 1 in clock:  # line k is printed after step k-1
+                name = tg.stage_at(step, args).name
+                per_stage.setdefault(name, []).append(clock[step + 1] - clock[step])
+    return {name: statistics.median(ms) for name, ms in per_stage.items()}, statistics.fmean(totals)
+
+
+def predict(rank: dict, w1: dict, nccl: dict, record_ms: dict, record_total_s: float,
+            args: tg.Hyperparameters) -> dict:
+    comm_w8 = nccl["per_step_ms_at_target"]
+    one_gpu = {stage["name"]: stage["median_ms"] for stage in w1["stages"]}
+    rows = []
+    for stage in rank["stages"]:
+        t = stage["timeline"]
+        exposed_share = t["communication_exposed_ms"] / t["communication_busy_ms"] if t["communication_busy_ms"] else 0
+        compute = one_gpu[stage["name"]] / 8
+        predicted = compute + t["idle_ms"] + comm_w8 * exposed_share
+        ref = record_ms.get(stage["name"])
+        rows.append(dict(stage=stage["name"], one_gpu_step_ms=one_gpu[stage["name"]], rank_compute_ms=compute,
+                         rank_idle_ms=t["idle_ms"], w2_rank_step_ms=stage["median_ms"],
+                         w2_rank_host_ms=stage["host_ms"], host_share=stage["host_ms"] / stage["median_ms"],
+                         w2_rank_optimizer_excess_ms=t["compute_busy_ms"] - compute,
+                         communication_busy_ms_w2=t["communication_busy_ms"],
+                         communication_exposed_ms_w2=t["communication_exposed_ms"], exposed_share=exposed_share,
+                         communication_ms_w8=comm_w8, communication_exposed_ms_w8=comm_w8 * exposed_share,
+                         predicted_ms=predicted, record_ms=ref, ratio=predicted / ref if ref else None))
+    steps = {}
+    for step in range(args.num_iterations):
+        name = tg.stage_at(step, args).name
+        steps[name] = steps.get(name, 0) + 1
+    by_name = {r["stage"]: r for r in rows}
+    total_s = sum(n * by_name[name]["predicted_ms"] for name, n in steps.items()) / 1000
+    return dict(stages=rows, steps_per_stage=steps, predicted_total_s=total_s, record_total_s=record_total_s,
+                total_ratio=total_s / record_total_s,
+                inputs={name: dict(device=j.get("device"), commit=j.get("commit"), date=j.get("date"),
+                                   world_size=j.get("world_size"), as_world_size=j.get("as_world_size"))
+                        for name, j in (("rank_bench", rank), ("w1_bench", w1), ("nccl", nccl))})
+
+
+def table(p: dict) -> str:
+    lines = [f"{'stage':<10} {'W=2 rank':>8} {'host %':>7} {'1 GPU/8':>8} {'idle':>5} {'comm W8':>8} {'exp W8':>7} "
+             f"{'predicted':>9} {'record':>7} {'x record':>8}"]
+    for r in p["stages"]:
+        ref = f"{r['record_ms']:.1f}" if r["record_ms"] else ""
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] else ""
+        lines.append(f"{r['stage']:<10} {r['w2_rank_step_ms']:>8.1f} {100 * r['host_share']:>6.0f}% "
+                     f"{r['rank_compute_ms']:>8.1f} {r['rank_idle_ms']:>5.2f} {r['communication_ms_w8']:>8.2f} "
+                     f"{r['communication_exposed_ms_w8']:>7.2f} {r['predicted_ms']:>9.1f} {ref:>7} {ratio:>8}")
+    lines.append(f"time to step {sum(p['steps_per_stage'].values())}: predicted {p['predicted_total_s']:.1f} s, "
+                 f"the record {p['record_total_s']:.1f} s ({p['total_ratio']:.3f}x)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rank-bench", required=True, help="bench.py JSON of ranks run --as-world-size 8 (torchrun)")
+    ap.add_argument("--w1-bench", required=True, help="bench.py JSON of one GPU (its stage times)")
+    ap.add_argument("--nccl", required=True, help="nccl_bandwidth.py JSON (--for-world-size 8)")
+    ap.add_argument("--record-logs", default=str(RECORD_LOGS), help="folder of the record's 8xH100 logs")
+    ap.add_argument("--out", help="write the prediction as JSON here too")
+    a = ap.parse_args(argv)
+    try:
+        rank, w1, nccl = (json.loads(Path(f).read_text()) for f in (a.rank_bench, a.w1_bench, a.nccl))
+        logs = sorted(Path(a.record_logs).glob("*.txt"))
+        if rank.get("as_world_size") != 8 or rank.get("world_size", 1) < 2 or nccl.get("for_world_size") != 8 \
+                or w1.get("world_size", 1) != 1 or w1.get("as_world_size", 1) != 1:
+            raise ValueError("--rank-bench must come from bench.py --as-world-size 8 under torchrun, --w1-bench from "
+                             "bench.py on one GPU, --nccl from nccl_bandwidth.py --for-world-size 8")
+        if not logs:
+            raise ValueError(f"no record logs (*.txt) in {a.record_logs}")
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args = tg.Hyperparameters()
+    record_ms, record_total = record_stage_ms(logs, args)
+    p = predict(rank, w1, nccl, record_ms, record_total, args)
+    print(table(p))
+    if a.out:
+        Path(a.out).write_text(json.dumps(p, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
