@@ -50,7 +50,6 @@ import sysconfig
 import tempfile
 import threading
 import time
-import types
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,12 +151,6 @@ class Hyperparameters:
                                           "addition as one quack GEMM that adds the residual in its epilogue")
     fused_qk_norm_rope: bool = setting(True, "with FlashAttention-4: q/k RMS norm + rotary as one Triton pass inside "
                                               "the attention op, whose backward writes dq, dk, dv into the qkv gradient")
-    quack_plans: bool = setting(True, "with quack's MLP: launch its GEMMs (the MLP's two fused ones, the attention "
-                                      "projections' gemm_add) through prepared plans, one per shape, instead of its "
-                                      "interface functions, which re-derive every launch")
-    fa4_launch_replay: bool = setting(True, "with FlashAttention-4: after the first call of each shape, launch its "
-                                             "compiled kernels directly (same kernels, same arguments), skipping "
-                                             "its Python interface's per-call planning")
     dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
     cuda_graphs: str = setting("auto", "replay each training micro-batch (forward, backward and its NCCL "
                                        "reduce-scatters) as one CUDA graph, captured in the warm-up; auto: on with "
@@ -894,333 +887,12 @@ def fa4_interface():
     return fa4
 
 
-# FlashAttention-4's Python interface plans each call from scratch (argument checks, tile and scheduler choices, a
-# compile-cache key of some sixty fields) before it launches a compiled kernel: a few hundred microseconds of CPU
-# per call, which is the step time wherever the GPU has little work per step (stage 1). What it launches depends
-# only on the shapes, strides, dtypes and alignment of its tensors and on its scalar arguments, so KernelLaunchReplay
-# runs the interface once per such signature while recording every kernel launch (from the library's compile
-# caches), every buffer it allocates and every buffer it zeroes, and for later calls with that signature does only
-# that with the new tensors: the same kernels, the same arguments. A signature whose call does anything else (a
-# copy, a read of a value on the host, an argument it cannot trace) stays on the interface, and so does every call
-# of a release the replay was not checked with.
-
-class _CannotReplay(Exception):
-    pass
-
-
-_ALLOC_OPS = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "zeros", "zeros_like",
-              "new_zeros")
-_VIEW_OPS = ("detach", "alias")
-
-
-class _RecordingCompileCache:
-    """Stands in for one of the library's compile caches during a recorded call: looking a kernel up returns it
-    wrapped, so that its launch is logged (with its arguments) before it runs."""
-
-    def __init__(self, cache, recorder):
-        self._cache, self._recorder = cache, recorder
-
-    def __contains__(self, key):
-        return key in self._cache
-
-    def __setitem__(self, key, value):
-        self._cache[key] = value
-
-    def __getitem__(self, key):
-        kernel = self._cache[key]
-
-        def launch(*args, **kwargs):
-            self._recorder.events.append(("launch", kernel, args, kwargs))
-            self._recorder.in_launch = True  # a kernel written in PyTorch (tests) is not the interface's work
-            try:
-                result = kernel(*args, **kwargs)
-            finally:
-                self._recorder.in_launch = False
-            if result is not None:
-                self._recorder.refusal = "a kernel launch returned a value"
-            return result
-
-        return launch
-
-    def get(self, key, default=None):
-        return self[key] if key in self._cache else default
-
-    def __getattr__(self, name):
-        return getattr(self._cache, name)
-
-
-def _recording_mode(recorder):
-    """A dispatch mode that logs every aten op the interface runs outside kernel launches (made on first use: the
-    mode's base class comes from a private torch module that this file imports only when FA4 is used)."""
-    global _OpLog
-    if _OpLog is None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class OpLog(TorchDispatchMode):
-            def __init__(self, recorder):
-                super().__init__()
-                self.recorder = recorder
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if not self.recorder.in_launch:
-                    self.recorder.events.append(("op", func, args, kwargs or {}, out))
-                return out
-
-        _OpLog = OpLog
-    return _OpLog(recorder)
-
-
-_OpLog = None
-
-
-class _Recorder:
-    def __init__(self):
-        self.events, self.in_launch, self.refusal = [], False, None
-
-
-def _storage_key(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-class _Plan:
-    """One signature's recorded call: buffers to allocate, then zeroings and launches in their order."""
-
-    def __init__(self, buffers, steps, result):
-        self.buffers, self.steps, self.result = buffers, steps, result
-
-
-class _Planner:
-    """Turns a recorded call into a _Plan: each tensor the interface handed a kernel becomes a slot (one of the
-    call's inputs or a view of one, a buffer the call allocated or a view of one, or a tensor the library holds
-    across calls), and each event a step."""
-
-    def __init__(self, inputs):
-        self.inputs = inputs
-        self.buffers = {}  # storage -> (index, size, stride, dtype, device)
-        self.input_storages = {}
-        for i, t in enumerate(inputs):
-            if t is not None:
-                self.input_storages.setdefault(_storage_key(t), i)
-
-    def tensor_slot(self, t: Tensor):
-        for i, x in enumerate(self.inputs):
-            if x is not None and x.data_ptr() == t.data_ptr() and x.shape == t.shape and \
-                    x.stride() == t.stride() and x.dtype == t.dtype:
-                return ("in", i)
-        s = _storage_key(t)
-        if s in self.input_storages:
-            i = self.input_storages[s]
-            if t.dtype != self.inputs[i].dtype:
-                raise _CannotReplay("a view of an input with another dtype")
-            return ("in_view", i, tuple(t.shape), t.stride(), t.storage_offset() - self.inputs[i].storage_offset())
-        if s in self.buffers:
-            b = self.buffers[s]
-            if t.shape == b[1] and t.stride() == b[2] and t.dtype == b[3] and t.storage_offset() == 0:
-                return ("buf", b[0])
-            if t.dtype != b[3]:
-                raise _CannotReplay("a view of a buffer with another dtype")
-            return ("buf_view", b[0], tuple(t.shape), t.stride(), t.storage_offset())
-        return ("const", t)  # held by the library across calls (it reuses it too)
-
-    def template(self, x):
-        if isinstance(x, Tensor):
-            return self.tensor_slot(x)
-        if isinstance(x, (tuple, list)):
-            items = [self.template(v) for v in x]
-            if all(s[0] == "const" for s in items):
-                return ("const", x)
-            make = type(x)._make if hasattr(x, "_fields") else type(x)
-            return ("seq", make, items)
-        if isinstance(x, dict):
-            if any(isinstance(v, Tensor) for v in x.values()):
-                raise _CannotReplay("tensors inside a dict argument")
-            return ("const", x)
-        held = getattr(x, "__dict__", None)
-        if held and any(isinstance(v, (Tensor, tuple, list)) for v in held.values()):
-            raise _CannotReplay(f"an argument of type {type(x).__name__} that may hold tensors")
-        return ("const", x)
-
-    def plan(self, recorder, result) -> _Plan:
-        if recorder.refusal:
-            raise _CannotReplay(recorder.refusal)
-        steps = []
-        for event in recorder.events:
-            if event[0] == "launch":
-                _, kernel, args, kwargs = event
-                steps.append(("launch", kernel, [self.template(a) for a in args],
-                              {k: self.template(v) for k, v in kwargs.items()}))
-                continue
-            _, func, args, kwargs, out = event
-            name = func.overloadpacket.__name__
-            if name in _ALLOC_OPS:
-                if out.untyped_storage().nbytes() != _dense_nbytes(out) or out.storage_offset() != 0:
-                    raise _CannotReplay(f"aten.{name} made a buffer its shape does not fill")
-                index = len(self.buffers)
-                self.buffers[_storage_key(out)] = (index, out.shape, out.stride(), out.dtype, out.device)
-                if name.startswith(("zeros", "new_zeros")):
-                    steps.append(("zero", ("buf", index)))
-            elif func.is_view or name in _VIEW_OPS:
-                continue
-            elif name == "zero_" or (name == "fill_" and len(args) > 1 and not isinstance(args[1], Tensor)
-                                     and args[1] == 0):
-                steps.append(("zero", self.tensor_slot(args[0])))
-            elif name in ("item", "_local_scalar_dense", "equal", "is_nonzero"):
-                raise _CannotReplay(f"the call reads a tensor's value on the host (aten.{name})")
-            else:
-                raise _CannotReplay(f"the call runs aten.{name}")
-        if not any(step[0] == "launch" for step in steps):
-            raise _CannotReplay("the call launched no compiled kernel")
-        if any(step[0] == "zero" and step[1][0] == "const" for step in steps):
-            raise _CannotReplay("the call zeroes a tensor it does not own")
-        buffers = [b[1:] for b in sorted(self.buffers.values(), key=lambda b: b[0])]
-        return _Plan(buffers, steps, self.template(result))
-
-
-class KernelLaunchReplay:
-    """Per-signature record and replay of a kernel library's host path (see above). `modules`: the library's
-    modules whose functions carry a `compile_cache` (the caches the interface launches from)."""
-
-    def __init__(self, modules, check=None):
-        self.modules = modules  # a callable returning the modules (imported on first use)
-        self.check = check      # a callable: None where replay is safe, else the reason it is not (asked once)
-        self.unsafe = None      # the check's reason, once asked
-        self.enabled = False
-        self.plans = {}         # signature -> _Plan, or the reason it is not replayed
-        self.recorded = self.replayed = 0
-
-    def signature(self, inputs, key) -> tuple:
-        """Everything the recorded launches may depend on besides the tensors' values: the caller's scalars, and
-        per input its shape, strides, offset, dtype, device, address alignment and which inputs share storage."""
-        bases = []
-        parts = [key]
-        for t in inputs:
-            if t is None:
-                parts.append(None)
-                continue
-            base = _storage_key(t)
-            # the address modulo 16 too: FA4's interface copies an input whose pointer is not 16-byte aligned
-            parts.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.data_ptr() % 16,
-                          bases.index(base) if base in bases else -1))
-            bases.append(base)
-        return tuple(parts)
-
-    def run(self, call, inputs: tuple, key: tuple):
-        """call(): the library call on `inputs` (tensors or None) whose scalar arguments are all in `key`."""
-        if not self.enabled:
-            return call()
-        sig = self.signature(inputs, key)
-        plan = self.plans.get(sig)
-        if plan is None:
-            result, plan = self._record(call, inputs)
-            self.plans[sig] = plan
-            self.recorded += 1
-            return result
-        if isinstance(plan, str):
-            return call()
-        self.replayed += 1
-        return self._replay(plan, inputs)
-
-    def refusals(self) -> list:
-        return sorted({p for p in self.plans.values() if isinstance(p, str)})
-
-    # -- recording --
-    def _record(self, call, inputs):
-        if self.check is not None:
-            self.unsafe, self.check = self.check(), None
-        if self.unsafe:
-            return call(), self.unsafe
-        recorder = _Recorder()
-        owners = [f for m in self.modules() for f in vars(m).values()
-                  if isinstance(f, types.FunctionType) and "compile_cache" in f.__dict__]
-        originals = [f.compile_cache for f in owners]
-        try:
-            for f, cache in zip(owners, originals):
-                f.compile_cache = _RecordingCompileCache(cache, recorder)
-            with _recording_mode(recorder):
-                result = call()
-        finally:
-            for f, cache in zip(owners, originals):
-                f.compile_cache = cache
-        try:
-            plan = self._plan(recorder, inputs, result)
-        except _CannotReplay as e:
-            plan = str(e)
-        return result, plan
-
-    def _plan(self, recorder, inputs, result) -> _Plan:
-        try:
-            return _Planner(inputs).plan(recorder, result)
-        finally:
-            recorder.events.clear()  # the recorded call's tensors go now, not at the next gc pass
-
-    # -- replaying --
-    @staticmethod
-    def _replay(plan: _Plan, inputs):
-        buffers = [torch.empty_strided(size, stride, dtype=dtype, device=device)
-                   for size, stride, dtype, device in plan.buffers]
-        for step in plan.steps:
-            if step[0] == "launch":
-                step[1](*[_fill(a, inputs, buffers) for a in step[2]],
-                        **{k: _fill(v, inputs, buffers) for k, v in step[3].items()})
-            else:
-                _fill(step[1], inputs, buffers).zero_()
-        return _fill(plan.result, inputs, buffers)
-
-
-def _fill(slot, inputs, buffers):
-    """The argument a recorded slot stands for in this call. (A plain function: a closure over `buffers` that
-    called itself would be a reference cycle, and keep each call's buffers alive until the next gc pass.)"""
-    kind = slot[0]
-    if kind == "const":
-        return slot[1]
-    if kind == "in":
-        return inputs[slot[1]]
-    if kind == "buf":
-        return buffers[slot[1]]
-    if kind == "in_view":
-        base = inputs[slot[1]]
-        return base.as_strided(slot[2], slot[3], base.storage_offset() + slot[4])
-    if kind == "buf_view":
-        return buffers[slot[1]].as_strided(slot[2], slot[3], slot[4])
-    return slot[1]([_fill(v, inputs, buffers) for v in slot[2]])  # a tuple, list or named tuple of slots
-
-
-def _dense_nbytes(t: Tensor) -> int:
-    """Bytes from element 0 to one past the last element that t's shape and strides reach."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def fa4_replay_check():
-    """Replay only the FlashAttention-4 release it was checked against on the GPU (tests/gpu): another release may
-    launch a kernel some other way than through its compile caches, which a recording would miss."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        found = version("flash-attn-4")
-    except PackageNotFoundError:
-        return "flash-attn-4's release is unknown (no package metadata)"
-    if found in FA4_REPLAY_VERIFIED:
-        return None
-    return f"flash-attn-4 {found} is not a release the replay was checked with"
-
-
-FA4_REPLAY_VERIFIED = ("4.0.0b36",)
-FA4_LAUNCHES = KernelLaunchReplay(lambda: [fa4_interface()], fa4_replay_check)  # enabled by the trainer
-
-
 def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, params, which: int) -> tuple[Tensor, Tensor]:
     scale, window = attention_scalars(params, which)
-
-    def call():
-        out, lse, *_ = fa4_interface()._flash_attn_fwd(
-            q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-            max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0,
-            return_lse=True)
-        return out, lse
-
-    return FA4_LAUNCHES.run(call, (q, k, v, cu_seqlens), ("forward", scale, window, max_seqlen))
+    out, lse, *_ = fa4_interface()._flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0, return_lse=True)
+    return out, lse
 
 
 def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, params, which: int, dq=None, dk=None,
@@ -1228,15 +900,9 @@ def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, param
     """(dq, dk, dv), written into the dq, dk, dv given (views of a caller's gradient buffers) where they are."""
     scale, window = attention_scalars(params, which)
     into = {} if dq is None else dict(dq=dq, dk=dk, dv=dv)
-
-    def call():
-        return tuple(fa4_interface()._flash_attn_bwd(
-            q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
-            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-            **into))
-
-    return FA4_LAUNCHES.run(call, (grad_out, q, k, v, out, lse, cu_seqlens, dq, dk, dv),
-                            ("backward", scale, window, max_seqlen))
+    return tuple(fa4_interface()._flash_attn_bwd(
+        q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
+        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, **into))
 
 
 @torch.library.custom_op("speedrun::fa4_varlen", mutates_args=())
@@ -2287,7 +1953,7 @@ def residual_linear(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
     """residual + y wᵀ for residual, y (T, d) and w (d_out, d), bf16: one quack GEMM on a GPU."""
     if not y.is_cuda:
         return torch.addmm(residual, y, w.t())
-    return QUACK_PLANS.gemm_add(y, w.mT, residual)
+    return quack_gemm().gemm_add(y, w.mT, residual, tuned=False)
 
 
 @residual_linear.register_fake
@@ -2363,18 +2029,6 @@ def quack_gemm():
     return gemm_interface
 
 
-@functools.cache
-def quack_dispatch():
-    """quack.gemm, the layer below the interface that launches a prepared GEMM plan (run_gemm_plan)."""
-    import quack.gemm as dispatch
-    return dispatch
-
-
-def quack_version() -> str:
-    import quack
-    return getattr(quack, "__version__", "unknown")
-
-
 # quack's untuned Hopper default clusters two CTAs along M. The same 128x192 pingpong tile clustered along N instead
 # is faster for both fused GEMMs on the trainer's shapes and bit-identical (same tile, same K order); picked from
 # quack's own autotuning space (bench/quack_kernels_bench.py --sections configs) and pinned, because autotuning
@@ -2398,122 +2052,23 @@ def quack_on_this_gpu():
     return quack_gemm()
 
 
-# quack's interface functions (gemm_act, gemm_dact, gemm_add) derive each launch again on every call: operand
-# unpacking, a metadata key over every tensor, a cache probe, then the launch. Its epilogue objects also hand out the
-# launch prepared once for tensors of given dtypes, shapes and strides (EpiMod.plan -> EpiPlan, whose run() makes no
-# host decision), which QuackPlans keeps per signature (--quack-plans): same kernels, same arguments, less CPU per
-# call. For the plain GEMM with an added C (gemm_add), quack's untuned path itself returns the plan of its dispatch
-# layer, which quack.gemm.run_gemm_plan launches; the trainer replays it only where quack's own warm path would launch
-# it with the same arguments (the release it was checked against, Hopper or newer, no swapped operands, no split K,
-# no dynamic scheduler), and calls gemm_add otherwise. Without CUDA graphs (several GPUs), the host time per
-# micro-batch is what stage 1 waits for.
-QUACK_GEMM_ADD_REPLAY_VERSION = "0.6.5"
+def quack_relu2(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """(x w, relu(x w)²) for x (T, k) and w (k, n): one quack GEMM with ReLU² in its epilogue."""
+    return quack_gemm().gemm_act(x, w, activation="relu_sq", tuned=False,
+                                 config=quack_mlp_config(x.device.type, x.device.index))
 
 
-class QuackPlans:
-    def __init__(self):
-        self.enabled = False
-        # (which GEMM, dtype, shape and strides of each input) -> (quack EpiPlan, needs semaphore) for the MLP's
-        # fused GEMMs; -> quack's dispatch plan, or the reason it is not replayed, for gemm_add
-        self.plans = {}
-
-    def _plan(self, key, make_mod, A, B, C, out, dynamic_scheduler):
-        entry = self.plans.get(key)
-        if entry is None:
-            plan = make_mod().plan(A, B, C, out=out, dynamic_scheduler=dynamic_scheduler,
-                                   config=quack_mlp_config(A.device.type, A.device.index))
-            hopper = A.is_cuda and torch.cuda.get_device_capability(A.device)[0] == 9
-            entry = self.plans[key] = (plan, dynamic_scheduler and hopper)
-        return entry
-
-    def gemm_act(self, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-        """(x w, relu(x w)²) for x (T, k) and w (k, n), as quack's gemm_act(x, w, activation="relu_sq")."""
-        if not self.enabled:
-            return quack_gemm().gemm_act(x, w, activation="relu_sq", tuned=False,
-                                         config=quack_mlp_config(x.device.type, x.device.index))
-        pre = x.new_empty((x.size(0), w.size(1)))
-        h = torch.empty_like(pre)
-        out = {"D": pre, "mAuxOut": h}
-        key = ("act", x.dtype, x.shape, x.stride(), w.dtype, w.shape, w.stride())
-        plan, _ = self._plan(key, _quack_relu2_forward_mod, x, w, None, out, dynamic_scheduler=False)
-        plan.run(x, w, None, out=out)
-        return pre, h
-
-    def gemm_dact(self, grad: Tensor, w: Tensor, pre: Tensor) -> tuple[Tensor, Tensor]:
-        """((grad w)·2relu(pre), relu(pre)²), as quack's gemm_dact(grad, w, pre, activation="relu_sq") with its
-        default dynamic tile scheduler (which counts tiles in a zeroed semaphore on Hopper)."""
-        if not self.enabled:
-            return quack_gemm().gemm_dact(grad, w, pre, activation="relu_sq", tuned=False,
-                                          config=quack_mlp_config(grad.device.type, grad.device.index))
-        dpre = grad.new_empty((grad.size(0), w.size(1)))
-        h = torch.empty_like(pre)
-        out = {"D": dpre, "mAuxOut": h}
-        key = ("dact", grad.dtype, grad.shape, grad.stride(), w.dtype, w.shape, w.stride(), pre.dtype, pre.shape,
-               pre.stride())
-        plan, needs_semaphore = self._plan(key, _quack_relu2_backward_mod, grad, w, pre, out, dynamic_scheduler=True)
-        semaphore = torch.zeros(1, dtype=torch.int32, device=grad.device) if needs_semaphore else None
-        plan.run(grad, w, pre, out=out, tile_count_semaphore=semaphore)
-        return dpre, h
-
-    def gemm_add(self, y: Tensor, w: Tensor, c: Tensor) -> Tensor:
-        """c + y w for y (T, k), w (k, n) and c (T, n), as quack's gemm_add(y, w, c) with its default config."""
-        interface = quack_gemm()
-        if not self.enabled:
-            return interface.gemm_add(y, w, c, tuned=False)
-        key = ("add", y.dtype, y.shape, y.stride(), w.dtype, w.shape, w.stride(), c.dtype, c.shape, c.stride())
-        plan = self.plans.get(key)
-        if isinstance(plan, str):  # the reason this signature is not replayed
-            return interface.gemm_add(y, w, c, tuned=False)
-        out = torch.empty_like(c)
-        if plan is not None:
-            quack_dispatch().run_gemm_plan(plan, y, w, out, c)
-            return out
-        # The first call of a signature runs quack's own untuned path, which launches and returns its decisions.
-        config, split_k, dynamic_scheduler, plan = interface.gemm_tuned.fn(y, w, out, c, config=None)
-        refusal = gemm_add_refusal(y.device, config.swap_ab, split_k, dynamic_scheduler)
-        self.plans[key] = refusal or plan
-        return out
-
-    def summary(self) -> str:
-        """What the plans cover after the warm-up, and why a gemm_add signature goes through the interface."""
-        fused = sum(1 for key in self.plans if key[0] != "add")
-        adds = [plan for key, plan in self.plans.items() if key[0] == "add"]
-        refused = [plan for plan in adds if isinstance(plan, str)]
-        line = (f"quack plans: {fused} fused MLP GEMM signatures, gemm_add replayed for "
-                f"{len(adds) - len(refused)} of {len(adds)}")
-        return line + (f" (the rest through quack's interface: {'; '.join(sorted(set(refused)))})" if refused else "")
-
-
-def gemm_add_refusal(device, swap_ab: bool, split_k: int, dynamic_scheduler: bool) -> str | None:
-    """None where quack's own warm path would launch gemm_add's dispatch plan with exactly the arguments the replay
-    passes, else the reason it is not replayed."""
-    version = quack_version()
-    if version != QUACK_GEMM_ADD_REPLAY_VERSION:
-        return f"quack {version} is not the release the replay was checked with"
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return "the GPU is older than Hopper"
-    if swap_ab or split_k != 1 or dynamic_scheduler:
-        return "quack's config swaps operands, splits K or schedules tiles dynamically"
-    return None
-
-
-def _quack_relu2_forward_mod():
-    from quack.epilogue.library import linear_act_mod
-    return linear_act_mod("relu_sq", gated=False, has_c=False, has_rowvec=False, has_colvec=False)
-
-
-def _quack_relu2_backward_mod():
-    from quack.epilogue.library import dact_mod
-    return dact_mod("relu_sq")
-
-
-QUACK_PLANS = QuackPlans()  # enabled by the trainer (--quack-plans)
+def quack_relu2_backward(grad: Tensor, w: Tensor, pre: Tensor) -> tuple[Tensor, Tensor]:
+    """((grad w)·2relu(pre), relu(pre)²): one quack GEMM that multiplies by ReLU²'s derivative in its epilogue and
+    recomputes ReLU² for the weight gradient."""
+    return quack_gemm().gemm_dact(grad, w, pre, activation="relu_sq", tuned=False,
+                                  config=quack_mlp_config(grad.device.type, grad.device.index))
 
 
 @torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
 def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
     """(relu(x w_fcᵀ)² w_proj, the pre-activation x w_fcᵀ) for x (T, d) and w_fc, w_proj (4d, d), all bf16."""
-    pre, h = QUACK_PLANS.gemm_act(x, w_fc.mT)
+    pre, h = quack_relu2(x, w_fc.mT)
     return h @ w_proj, pre
 
 
@@ -2527,7 +2082,7 @@ def relu2_mlp_backward(grad: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor,
                        pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw_fc, dw_proj). One fused GEMM gives d(pre) = (grad w_projᵀ)·2relu(pre) and h = relu(pre)²."""
     grad = grad.contiguous()
-    dpre, h = QUACK_PLANS.gemm_dact(grad, w_proj.mT, pre)
+    dpre, h = quack_relu2_backward(grad, w_proj.mT, pre)
     return dpre @ w_fc, dpre.mT @ x, h.mT @ grad
 
 
@@ -3633,19 +3188,6 @@ def compiled_graph_count() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-def host_paths_line(rt: "Runtime") -> str | None:
-    """After the warm-up: what the kernel libraries' host-path shortcuts cover, and why any signature still goes
-    through a library's interface (a release or GPU they were not checked with)."""
-    parts = []
-    if rt.fa4_launch_replay:
-        refused = FA4_LAUNCHES.refusals()
-        parts.append(f"FlashAttention-4 launches recorded for {FA4_LAUNCHES.recorded} signatures"
-                     + (f" (not replayed: {'; '.join(refused)})" if refused else ""))
-    if rt.quack_plans:
-        parts.append(QUACK_PLANS.summary())
-    return "Host paths: " + ", ".join(parts) if parts else None
-
-
 def compile_cache_counts() -> dict:
     """This process's cache hits and misses: Inductor's compiled graphs and AOT autograd's traced ones."""
     counters = torch._dynamo.utils.counters
@@ -3862,8 +3404,6 @@ class Runtime:
     mlp_kernel: str = "inductor"   # one of MLP_KERNELS
     quack_attn_proj: bool = False     # residual_linear: attention output projection + residual in one quack GEMM
     fused_qk_norm_rope: bool = False  # fa4_qkv: q/k norm + rotary fused into the FlashAttention-4 op
-    fa4_launch_replay: bool = False   # FA4_LAUNCHES: replay FlashAttention-4's recorded launches
-    quack_plans: bool = False         # QUACK_PLANS: quack's GEMMs through its prepared plans
     trunk_graphs: int = 1             # compiled graphs the trunk is split into (GPT.trunk_bounds)
     parallel_compile: bool = False    # compile workers were started for the jobs beyond this process's first
     cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)
@@ -3884,7 +3424,6 @@ class Runtime:
                 f'fused_ce_forward={int(fused_head and args.fused_ce_forward)} '
                 f'mlp_kernel={self.mlp_kernel} quack_attn_proj={int(self.quack_attn_proj)} '
                 f'fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
-                f'fa4_launch_replay={int(self.fa4_launch_replay)} quack_plans={int(self.quack_plans)} '
                 f'trunk_graphs={self.trunk_graphs} parallel_compile={int(self.parallel_compile)} '
                 f'cuda_graphs={int(self.cuda_graphs)} bf16_gemms_in_fp32={int(self.bf16_gemms_in_fp32)} '
                 f'data_path={args.data_path} '
@@ -3964,8 +3503,6 @@ def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: boo
                    dynamic_seq_len=use_compile and args.dynamic_seq_len,
                    mlp_kernel=mlp_kernel,
                    fused_qk_norm_rope=args.fused_qk_norm_rope and backend == "fa4" and triton is not None,
-                   fa4_launch_replay=args.fa4_launch_replay and backend == "fa4",
-                   quack_plans=args.quack_plans and mlp_kernel == "quack",
                    quack_attn_proj=args.quack_attn_proj and mlp_kernel == "quack",
                    trunk_graphs=resolve_trunk_graphs(args, device, env), parallel_compile=parallel_compile,
                    cuda_graphs=resolve_cuda_graphs(args, device, use_compile),
@@ -4046,8 +3583,6 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
                 dynamic_seq_len=rt.dynamic_seq_len, mlp_kernel=rt.mlp_kernel, quack_attn_proj=rt.quack_attn_proj,
                 fused_qk_norm_rope=rt.fused_qk_norm_rope, trunk_graphs=rt.trunk_graphs).to(rt.device)
-    FA4_LAUNCHES.enabled = rt.fa4_launch_replay  # the ops' host paths (module state: the ops are global)
-    QUACK_PLANS.enabled = rt.quack_plans
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     if rt.compile:
         model.compile_regions(dynamic=False, fullgraph=True)
@@ -4448,9 +3983,6 @@ def train_run(args: Hyperparameters, cache_path, cache_loaded: bool, cache_line:
     cache_note = compile_cache_after_warm_up(cache_path, cache_loaded) if rt.master else ""
     if cache_note:
         log(cache_note)
-    host_paths = host_paths_line(rt)
-    if host_paths:
-        log(host_paths)
     before = ", ".join(f"{label} {seconds:.1f}s" for label, seconds in startup_seconds().items())
     caches = compile_cache_counts()
     log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "

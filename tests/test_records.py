@@ -1,7 +1,6 @@
 """Tests for records/compare.py: log parsing, statistics, compare/diff/plot/new/run subcommands."""
 import importlib.util
 import json
-import math
 import os
 import re
 import shlex

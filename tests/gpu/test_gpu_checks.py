@@ -13,10 +13,6 @@
   * FA4 vs FA2 on one stage-3 micro-batch, with both speeds recorded
   * --fused-qk-norm-rope (q/k norm + rotary inside the FA4 op) vs Inductor's compile of the unfused lines, forward
     and backward on a stage-3 micro-batch, with both speeds recorded
-  * --fa4-launch-replay: the FA4 ops with their recorded launches replayed vs through FA4's interface, bit for bit
-    (stage-1 and stage-3 micro-batches, both windows, both ops), and the host time per call of each
-  * --quack-plans: the MLP op through quack's prepared plans vs through its interface functions, bit for bit, and
-    the host time per call of each
   * the ReLU² MLP on quack's fused GEMMs (when quack-kernels is installed) vs float32, forward and backward, next to
     Inductor's version of the same two lines
   * --quack-attn-proj: the output projection plus residual by quack's gemm_add vs cuBLAS's addmm and eager's
@@ -37,8 +33,6 @@ import torch
 # Everything this file takes from train_gpt.py and bench/bench.py, in one place.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from bench import document_lengths  # noqa: E402  (bench/bench.py: the benchmark's synthetic documents)
-from quack_kernels_bench import host_us_per_call  # noqa: E402  (enqueue time while the GPU is kept busy)
-import train_gpt  # noqa: E402  (FA4_LAUNCHES: module state the attention ops read)
 from train_gpt import (  # noqa: E402
     ATTENTION_BACKENDS,
     FP8_GRAD_SCALE,
@@ -372,83 +366,6 @@ def test_residual_linear_matches_addmm_and_times_both(gpu_results):
     assert ours.dtype == torch.bfloat16 and r["rel_err_quack"] <= 1.5 * max(r["rel_err_addmm"], r["rel_err_eager"]), r
 
 
-@pytest.mark.parametrize("tokens", [16384, 49152])
-def test_quack_plans_are_bit_identical_to_quacks_interface(tokens, gpu_results, monkeypatch):
-    """--quack-plans: the MLP op's forward and backward through quack's prepared plans against quack's interface
-    functions, three fresh inputs with the memory first filled with NaN: bit for bit (the same GEMM kernels, no
-    atomics). Records the plans built and the host time per call of each path."""
-    require_quack()
-    plans = train_gpt.QuackPlans()
-    monkeypatch.setattr(train_gpt, "QUACK_PLANS", plans)
-    d = 768
-
-    def run(x, w_fc, w_proj, g):
-        ins = [t.clone().requires_grad_() for t in (x, w_fc, w_proj)]
-        out = torch.ops.speedrun.relu2_mlp(*ins)[0]
-        return (out, *torch.autograd.grad(out, ins, g))
-
-    mismatches = []
-    for seed in range(3):
-        torch.manual_seed(seed)
-        x = norm(torch.randn(tokens, d, device="cuda")).bfloat16()
-        w_fc = (torch.randn(4 * d, d, device="cuda") * d ** -0.5).bfloat16()
-        w_proj = (torch.randn(4 * d, d, device="cuda") * (4 * d) ** -0.5).bfloat16()
-        g = (torch.randn(tokens, d, device="cuda") * 1e-3).bfloat16()
-        plans.enabled = False
-        want = run(x, w_fc, w_proj, g)
-        plans.enabled = True
-        torch.full((8 * tokens * 4 * d,), float("nan"), device="cuda")  # freed at once: NaN for the outputs
-        got = run(x, w_fc, w_proj, g)
-        mismatches += [(seed, name) for name, a, b in zip(("out", "dx", "dw_fc", "dw_proj"), got, want)
-                       if not torch.equal(a, b)]
-    x, w_fc, w_proj = (t.detach() for t in (x, w_fc, w_proj))
-    pre = x @ w_fc.T
-    host = {}
-    for enabled in (False, True):
-        plans.enabled = enabled
-        name = "plans" if enabled else "interface"
-        host[f"forward_{name}_us"] = host_us_per_call(lambda: torch.ops.speedrun.relu2_mlp(x, w_fc, w_proj))
-        host[f"backward_{name}_us"] = host_us_per_call(
-            lambda: torch.ops.speedrun.relu2_mlp_backward(g, x, w_fc, w_proj, pre))
-    r = gpu_results[f"quack_plans_{tokens}"] = dict(plans=len(plans.plans), mismatches=mismatches,
-                                                    host_us_per_call=host)
-    assert len(plans.plans) == 2 and not mismatches, r
-
-
-@pytest.mark.parametrize("tokens", [16384, 49152])
-def test_quack_gemm_add_plan_is_bit_identical_to_quacks_interface(tokens, gpu_results, monkeypatch):
-    """--quack-plans with --quack-attn-proj: residual_linear's gemm_add replayed from quack's dispatch plan against
-    quack's gemm_add, three fresh inputs with the memory first filled with NaN: bit for bit (the same kernel and
-    arguments). Records whether the plan replays here and the host time per call of each path."""
-    require_quack()
-    plans = train_gpt.QuackPlans()
-    monkeypatch.setattr(train_gpt, "QUACK_PLANS", plans)
-    d = 768
-    mismatches = []
-    for seed in range(3):
-        torch.manual_seed(seed)
-        residual = torch.randn(tokens, d, device="cuda").bfloat16()
-        y = torch.randn(tokens, d, device="cuda").bfloat16()
-        w = (torch.randn(d, d, device="cuda") * d ** -0.5).bfloat16()
-        plans.enabled = False
-        want = torch.ops.speedrun.residual_linear(residual, y, w)
-        plans.enabled = True
-        for _ in range(2):  # the first call of a signature goes through quack's untuned path, the second replays
-            torch.full((4 * tokens * d,), float("nan"), device="cuda")  # freed at once: NaN for the output
-            got = torch.ops.speedrun.residual_linear(residual, y, w)
-            if not torch.equal(got, want):
-                mismatches.append(seed)
-    host = {}
-    for enabled in (False, True):
-        plans.enabled = enabled
-        host[f"{'plans' if enabled else 'interface'}_us"] = host_us_per_call(
-            lambda: torch.ops.speedrun.residual_linear(residual, y, w))
-    replays = [key for key, plan in plans.plans.items() if key[0] == "add" and not isinstance(plan, str)]
-    r = gpu_results[f"quack_gemm_add_plan_{tokens}"] = dict(replays=len(replays), mismatches=mismatches,
-                                                            host_us_per_call=host, summary=plans.summary())
-    assert len(replays) == 1 and not mismatches, r
-
-
 @pytest.mark.parametrize("window", [384, 1408])
 @pytest.mark.parametrize("backend", ["varlen", "fa3", "fa4"])
 def test_attention_backend_matches_the_reference(backend, window, gpu_results):
@@ -552,68 +469,6 @@ def test_fused_qk_norm_rope_matches_inductors_unfused_attention(with_ve, gpu_res
         rel_diff=dict(zip(("out", "dqkv", "dve"), diffs)), fwd_bwd_ms=times)
     assert all(t.dtype == torch.bfloat16 for t in results["fused"])
     assert max(diffs) < 2e-3, r  # both round fp32 math to bf16 once; FA4 sees (nearly) the same q and k
-
-
-@pytest.mark.parametrize("tokens", [16384, 49152])
-def test_fa4_launch_replay_is_bit_identical_to_the_interface(tokens, gpu_results, monkeypatch):
-    """--fa4-launch-replay on a stage-1 and a stage-3 micro-batch: both FA4 ops (attention_fa4, and fa4_qkv whose
-    backward writes into views of its gradient buffers), both windows, three fresh inputs each, with the memory
-    the replay allocates first filled with NaN by an earlier tensor. Each output and gradient equals what FA4's
-    interface gives bit for bit, except the gradient that holds dq: FA4's backward accumulates dq over key blocks
-    with atomic adds in no fixed order, so two interface calls differ there too (recorded); it must agree to well
-    within bf16 rounding. Records each signature's refusal reason (none expected), the differences, and the host
-    time per call."""
-    attention_backend("fa4", gpu_results)
-    replay = train_gpt.KernelLaunchReplay(train_gpt.FA4_LAUNCHES.modules, train_gpt.fa4_replay_check)
-    monkeypatch.setattr(train_gpt, "FA4_LAUNCHES", replay)
-    T, H, D = tokens, 6, 128
-    lengths = document_lengths(T, np.random.default_rng(0), median=600, max_len=2048)
-    cu = pack_cu_seqlens(lengths, T, max_num_docs_for(T)).cuda()
-    yarn = Yarn(D, T).cuda()
-    params = torch.tensor([[0.12, 384.0], [0.12, 896.0]], dtype=torch.float64)
-    fa4 = ATTENTION_BACKENDS["fa4"]
-
-    def run(kind, ins, which, g):
-        ins = [t.clone().requires_grad_() for t in ins]
-        if kind == "fa4":
-            out = fa4(*ins, cu, 2048, params, which)
-        else:
-            out = attention_fa4_qkv(ins[0], None, yarn, cu, 2048, params, which)
-        return (out, *torch.autograd.grad(out, ins, g))
-
-    mismatches, noise = [], {}
-    for seed in range(3):
-        torch.manual_seed(seed)
-        qkv = (torch.randn(T, 3 * H, D, device="cuda") * 0.5).bfloat16()
-        g = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
-        for kind, ins in (("fa4", [t.contiguous() for t in qkv.view(T, 3, H, D).unbind(1)]), ("fa4_qkv", [qkv])):
-            for which in (0, 1):
-                replay.enabled = False
-                want, again = run(kind, ins, which, g), run(kind, ins, which, g)
-                replay.enabled = True
-                torch.full((4 * T * 3 * H * D,), float("nan"), device="cuda")  # freed at once: NaN for the replay
-                got = run(kind, ins, which, g)
-                for i, (a, b, c) in enumerate(zip(got, want, again)):  # (out, dq, dk, dv) or (out, dqkv)
-                    name = f"{kind} w{which} {('out', 'dq', 'dk', 'dv')[i] if kind == 'fa4' else ('out', 'dqkv')[i]}"
-                    noise[name] = max(noise.get(name, 0.0), rel(c, b))
-                    holds_dq = i == 1
-                    if not torch.isfinite(a).all() or (rel(a, b) > 1e-3 if holds_dq else not torch.equal(a, b)):
-                        mismatches.append(dict(seed=seed, output=name, rel_diff=rel(a, b)))
-    q, k, v = (t.contiguous() for t in qkv.view(T, 3, H, D).unbind(1))
-    out, lse = torch.ops.speedrun.fa4_varlen(q, k, v, cu, 2048, params, 1)
-    host = {}
-    for enabled in (False, True):
-        replay.enabled = enabled
-        name = "replay" if enabled else "interface"
-        host[f"forward_{name}_us"] = host_us_per_call(
-            lambda: torch.ops.speedrun.fa4_varlen(q, k, v, cu, 2048, params, 1))
-        host[f"backward_{name}_us"] = host_us_per_call(
-            lambda: torch.ops.speedrun.fa4_varlen_backward(g, q, k, v, out, lse, cu, 2048, params, 1))
-    r = gpu_results[f"fa4_launch_replay_{tokens}"] = dict(
-        recorded=replay.recorded, replayed=replay.replayed, refusals=replay.refusals(), mismatches=mismatches,
-        interface_run_to_run_max_rel=noise, host_us_per_call=host)
-    assert not replay.refusals() and replay.replayed >= 3 * 4 * 2 - replay.recorded, r
-    assert not mismatches, r
 
 
 @pytest.mark.parametrize("n,m,k", [(10, 768, 768), (8, 768, 3072)])
