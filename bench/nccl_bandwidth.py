@@ -66,8 +66,8 @@ def time_collective(op: str, dtype: str, nbytes: int, iters: int) -> float:
     dt = getattr(torch, dtype)
     full = torch.zeros(nbytes // torch.empty((), dtype=dt).element_size(), dtype=dt, device="cuda")
     shard = torch.zeros(full.numel() // world, dtype=dt, device="cuda")
-    run = ((lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG)) if op == "reduce_scatter"
-           else (lambda: dist.all_gather_into_tensor(full, shard)))
+    run = ((lambda: tg.reduce_scatter(shard, full, op=dist.ReduceOp.AVG)) if op == "reduce_scatter"
+           else (lambda: tg.all_gather(full, shard)))
     for _ in range(5):
         run()
     times = []

@@ -97,7 +97,7 @@ def test_smoke_preset_then_explicit_override_wins():
     b = tg.parse_args(["--model-dim", "192", "--smoke", "--num-heads", "3", "--num-scheduled-iterations", "12"])
     assert (b.model_dim, b.num_heads, b.head_dim) == (192, 3, 64)
     assert b.num_scheduled_iterations == 12 and b.num_extension_iterations == 3
-    assert b.train_bs_schedule == (1024, 2048, 3072)
+    assert b.train_bs_schedule == tg.SMOKE_PRESET["train_bs_schedule"]
     c = tg.parse_args(["--smoke", "false"])
     assert c == tg.Hyperparameters()
 
@@ -253,7 +253,7 @@ def test_error_too_little_training_data(tmp_path):
 
 
 def test_error_validation_shard_too_small(tmp_path):
-    build_shards(tmp_path / "d", train_shards=2, tokens_per_train_shard=100_000, val_tokens=5_000)
+    build_shards(tmp_path / "d", train_shards=2, tokens_per_train_shard=100_000, val_tokens=3_000)  # < --val-tokens
     r = run_script(smoke_args(tmp_path / "d", tmp_path), cwd=tmp_path)
     assert_one_line_error(r, "--val-tokens")
 

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 def smoke_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smoke")
     # learnable corpus (a few repeated 8-grams over 512 token ids) so the loss visibly falls in 33 steps;
-    # 300k train tokens cover the 70,656 the schedule consumes plus BOS-alignment/truncation waste
+    # 300k train tokens cover the 35,328 the schedule consumes plus BOS-alignment/truncation waste
     build_shards(tmp / "data", train_shards=2, tokens_per_train_shard=150_000, val_tokens=20_000,
                  kind="patterned", seed=0)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -156,8 +156,8 @@ def test_log_ends_with_one_summary_line_matching_the_final_validation(smoke_run)
 def test_schedule_line_at_each_stage_switch(smoke_run):
     lines = [SCHEDULE_RE.match(ln) for ln in header_and_run_lines(smoke_run["log"])]
     got = [(int(m[1]), m[2], int(m[3]), (int(m[4]), int(m[5]))) for m in lines if m]
-    assert got == [(0, "stage 1", 1024, (1, 3)), (10, "stage 2", 2048, (3, 7)), (20, "stage 3", 3072, (5, 11)),
-                   (30, "extension", 3072, (6, 13))]
+    assert got == [(0, "stage 1", 512, (1, 3)), (10, "stage 2", 1024, (3, 7)), (20, "stage 3", 1536, (5, 11)),
+                   (30, "extension", 1536, (6, 13))]
 
 
 def test_run_lines_echoed_to_console(smoke_run):
