@@ -2,7 +2,7 @@
 
 One file, read top to bottom, one concept per section:
     config          Hyperparameters (the December 2025 record's values as defaults) and the command line
-    lm_head         FP8 matmul, softcapped cross-entropy, its fused Triton backward, the LMHead module
+    lm_head         FP8 matmul, softcapped cross-entropy, its fused Triton forward and backward, the LMHead module
     attention       backends: FlashAttention-3 / -4, PyTorch's FlashAttention-2 varlen kernels, a reference;
                     FlashAttention-4 with the q/k norm and rotary fused in (one Triton pass); FA4's launches
                     recorded once per shape and replayed without its Python interface
@@ -14,7 +14,7 @@ One file, read top to bottom, one concept per section:
     schedules       the stage table (batch size, windows), learning rate, Muon momentum
     training loop   untimed kernel warm-up (and the passes that compile one compile job), timed training,
                     validation, logging
-    diagnostics     recompile guard, compile-cache counters, profile summary, replica check
+    diagnostics     recompile guard, compile-cache counters, replica check
     main()          settings -> runtime -> trainer -> run; the portable compile-cache bundle; compile workers
                     (helper processes compiling the trunk's graphs, the head and the optimizers side by side)
 
@@ -43,7 +43,6 @@ import gc
 import getpass
 import glob
 import math
-import re
 import subprocess
 import sys
 import sysconfig
@@ -124,7 +123,6 @@ class Hyperparameters:
     muon_beta2: float = setting(0.95, "NorMuon second-moment decay")
     orthogonalizer: str = setting("polar", "NorMuon orthogonalizer: Polar Express (5 steps) or Turbo-Muon "
                                            "(AOL-preconditioned, 4 steps)", ("polar", "turbo"))
-    ortho_kernels: bool = setting(True, "orthogonalize with our symmetric Triton kernels on GPUs (off: torch matmuls)")
     # run
     val_loss_every: int = setting(250, "validate every N steps; 0: only at the end")
     save_checkpoint: bool = setting(False, "save model and optimizer states to <log-dir>/<run-id>/ at the end")
@@ -138,36 +136,26 @@ class Hyperparameters:
     compile: str = setting("auto", "torch.compile the model and optimizer helpers; auto: on for CUDA",
                            ("auto", "on", "off"))
     fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA", ("auto", "on", "off"))
-    fused_fp8_head: bool = setting(True, "FP8 lm_head + softcapped cross-entropy with one fused Triton backward")
-    ce_backward_tile: tuple = setting((64, 128, 8), "BLOCK_T,BLOCK_V,WARPS of the fused cross-entropy backward")
-    ce_fast_math: bool = setting(True, "fused cross-entropy backward: sigmoid through the GPU's tanh.approx and "
-                                       "multiplications instead of divisions (fewer special-function instructions)")
-    fused_ce_forward: bool = setting(True, "fused FP8 head's training forward: the softcapped log-sum-exp in one "
-                                            "Triton pass (with --ce-fast-math's math) instead of Inductor's reduction")
+    fused_fp8_head: bool = setting(True, "FP8 lm_head + softcapped cross-entropy with a fused Triton forward and "
+                                         "backward (fast math: the softcap's sigmoid through the GPU's tanh.approx)")
     mlp_kernel: str = setting("auto", "ReLU² MLP kernels: quack's fused GEMM+activation (pip install quack-kernels; "
-                                      "Hopper/Blackwell) or Inductor's (cuBLAS + fused pointwise); auto: quack where "
-                                      "it imports on such a GPU", ("auto", "quack", "inductor"))
-    quack_attn_proj: bool = setting(True, "with quack's MLP kernels: each attention output projection and its residual "
-                                          "addition as one quack GEMM that adds the residual in its epilogue")
-    fused_qk_norm_rope: bool = setting(True, "with FlashAttention-4: q/k RMS norm + rotary as one Triton pass inside "
-                                              "the attention op, whose backward writes dq, dk, dv into the qkv gradient")
-    dynamic_seq_len: bool = setting(True, "compile one graph for all batch sizes (symbolic token dimension)")
+                                      "Hopper/Blackwell; each attention output projection then adds its residual in "
+                                      "a quack GEMM's epilogue too) or Inductor's (cuBLAS + fused pointwise); auto: "
+                                      "quack where it imports on such a GPU", ("auto", "quack", "inductor"))
     cuda_graphs: str = setting("auto", "replay each training micro-batch (forward, backward and its NCCL "
                                        "reduce-scatters) as one CUDA graph, captured in the warm-up; auto: on with "
                                        "CUDA and torch.compile; off: the eager path, for debugging and A/B timing",
                                ("auto", "on", "off"))
-    parallel_compile: str = setting("auto", "at start-up, helper processes compile the trunk's graphs, the head and "
-                                            "(one GPU) the optimizers' helpers side by side; the warm-up loads them "
-                                            "from Inductor's cache; auto: on with one training process per node; "
-                                            "skipped when the caches already hold this script's graphs",
+    parallel_compile: str = setting("auto", "at start-up, helper processes compile the trunk's graphs (the trunk "
+                                            "is then split in two; one graph otherwise, a little faster at stages "
+                                            "2-3), the head and (one GPU) the optimizers' helpers side by side; the "
+                                            "warm-up loads them from Inductor's cache; auto: on with one training "
+                                            "process per node; skipped when the caches already hold this script's "
+                                            "graphs",
                                     ("auto", "on", "off"))
-    trunk_graphs: int = setting(0, "compile the trunk (embeddings and blocks) as this many graphs over consecutive "
-                                   "blocks, 1 to 11, each a compile job of its own; 0: 2 with --parallel-compile, "
-                                   "else 1 (one graph fuses across blocks, a little faster at stages 2-3)")
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
                                      "with this torch/triton/GPU, written after the warm-up when not; empty: off")
     log_dir: str = setting("logs", "folder for <run-id>.txt")
-    profile_step: int = setting(-1, "profile this training step into <log-dir>/<run-id>_profile.txt; -1: none")
     fail_on_recompile: bool = setting(True, "stop if anything compiles inside the timed loop")
     smoke: bool = setting(False, "tiny preset for CPUs and tests: 128-wide model, 30+3 steps (flags still win)")
     check: bool = setting(False, "only validate the settings and the data for WORLD_SIZE processes, then exit "
@@ -268,9 +256,6 @@ def validate_args(args: Hyperparameters):
          f"--model-dim ({args.model_dim}) must equal --num-heads x --head-dim ({args.num_heads}x{args.head_dim})")
     need(args.head_dim % 4 == 0, "--head-dim must be a multiple of 4 (half-truncated rotary)")
     need(args.num_layers == 12, "the layer map (skips, value embeddings, backout) is defined for --num-layers 12 only")
-    need(0 <= args.trunk_graphs <= args.num_layers - 1,
-         f"--trunk-graphs must be between 1 and {args.num_layers - 1} (one per block at most), or 0 for auto, got "
-         f"{args.trunk_graphs}")
     need(args.parallel_compile in ("auto", "on", "off"),
          f"--parallel-compile must be auto, on or off, got {args.parallel_compile!r}")
     need(len(args.train_bs_schedule) == len(args.ws_schedule) == len(args.lr_plateaus) == len(args.lr_plateau_starts),
@@ -464,12 +449,18 @@ def softcap_ce_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor) 
 
 # --- fused backward of softcap + cross-entropy + FP8 gradient quantisation --------------------------------------
 
+# BLOCK_T, BLOCK_V, num_warps of _softcap_ce_backward_kernel: the fastest with fast math in bench/ce_kernel_bench.py's
+# sweep (with exact math 32x128 with 4 warps is).
+CE_BACKWARD_TILE = (64, 128, 8)
+
+
 @torch.library.custom_op("speedrun::softcap_ce_backward", mutates_args=())
 def softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor, grad_s: float,
                         tile: list[int], fast_math: bool = False) -> tuple[Tensor, Tensor]:
     """e5m2(bf16(grad·d/dlogits sum CE(30·sigmoid(logits/7.5))) / grad_s) as (T, V) and as its (V, T) transpose.
     logits (T, V) bf16, lse (T,) fp32 log-sum-exp of the softcapped logits, targets (T,) int64, grad 0-D;
-    tile (BLOCK_T, BLOCK_V, num_warps) of the Triton kernel; fast_math: see --ce-fast-math."""
+    tile (BLOCK_T, BLOCK_V, num_warps) of the Triton kernel; fast_math: the training head's _softcap_sigmoid through
+    tanh.approx (exact math: the GPU checks' baseline)."""
     T, V = logits.shape
     if not _kernels_usable(logits):
         return softcap_ce_backward_reference(logits, lse, targets, grad, grad_s)
@@ -495,11 +486,10 @@ def _(logits, lse, targets, grad, grad_s, tile, fast_math=False):
 def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool,
                                tile=None, fast_math: bool = False):
     """Run _softcap_ce_backward_kernel; out (T, V) and out_t (V, T) are uint8 (fp8=True) or float32 buffers.
-    tile: (BLOCK_T, BLOCK_V, num_warps), --ce-backward-tile; bench/ce_kernel_bench.py times the candidates (64x128
-    with 8 warps is the default, the fastest with fast math; with exact math 32x128 with 4 warps is). fast_math:
-    --ce-fast-math (the interpreter, which runs no PTX, gets the same formula with an exact tanh)."""
+    tile: (BLOCK_T, BLOCK_V, num_warps), CE_BACKWARD_TILE unless given (bench/ce_kernel_bench.py times others).
+    fast_math: the interpreter, which runs no PTX, gets the same formula with an exact tanh."""
     T, V = logits.shape
-    block_t, block_v, warps = tile or Hyperparameters.ce_backward_tile
+    block_t, block_v, warps = tile or CE_BACKWARD_TILE
     assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
     _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
         logits, lse, targets, grad, out, out_t, T, V, grad_s, BLOCK_T=block_t, BLOCK_V=block_v,
@@ -542,38 +532,32 @@ def launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math: bool, 
 class FP8LMHeadCrossEntropySum(torch.autograd.Function):
     """Training head with the FP8 lm_head: sum over tokens of CE(30·sigmoid((x Wᵀ)/7.5), targets).
 
-    Forward: the FP8 matmul (custom op) and one pass over the logits for the log-sum-exp (traced, so Inductor
-    fuses it; with fused_forward, our Triton pass instead). Backward: one Triton pass over the logits writes the
-    e5m2 gradient in both layouts the two FP8 GEMMs need, replacing the softcap/CE backward kernel, its bf16
-    gradient tensor, the cast and the separate transpose of the unfused path (lm_head_fp8 +
-    softcapped_cross_entropy_sum, which computes the same function)."""
+    Forward: the FP8 matmul (custom op) and one Triton pass over the logits for the log-sum-exp, in place of
+    Inductor's reduction of softcap_ce_forward (bench/ce_kernel_bench.py times both). Backward: one Triton pass over
+    the logits writes the e5m2 gradient in both layouts the two FP8 GEMMs need, replacing the softcap/CE backward
+    kernel, its bf16 gradient tensor, the cast and the separate transpose of the unfused path (lm_head_fp8 +
+    softcapped_cross_entropy_sum, which computes the same function). Both passes use fast math (tanh.approx for the
+    softcap's sigmoid): it moves the e5m2 gradient far less than its own rounding does (tests/gpu measures it)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor, tile: tuple, fast_math: bool,
-                fused_forward: bool) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
         logits, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_matmul(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
-        if fused_forward:
-            loss, lse = torch.ops.speedrun.softcap_ce_forward(logits, targets, fast_math)
-        else:
-            loss, lse = softcap_ce_forward(logits, targets)
+        loss, lse = torch.ops.speedrun.softcap_ce_forward(logits, targets, True)
         ctx.save_for_backward(logits, targets, lse, x_f8_t, w_f8_t)
-        ctx.tile, ctx.fast_math = list(tile), fast_math
         return loss
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         logits, targets, lse, x_f8_t, w_f8_t = ctx.saved_tensors
-        g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, ctx.tile,
-                                                              ctx.fast_math)
+        g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE,
+                                                              list(CE_BACKWARD_TILE), True)
         grad_x, grad_w = torch.ops.speedrun.fp8_matmul_backward_pretransposed(
             g_f8, g_f8_t, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None
 
 
-def fp8_lm_head_cross_entropy_sum(x: Tensor, w: Tensor, targets: Tensor,
-                                  tile: tuple = Hyperparameters.ce_backward_tile, fast_math: bool = False,
-                                  fused_forward: bool = False) -> Tensor:
-    return FP8LMHeadCrossEntropySum.apply(x, w, targets, tuple(tile), fast_math, fused_forward)
+def fp8_lm_head_cross_entropy_sum(x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
+    return FP8LMHeadCrossEntropySum.apply(x, w, targets)
 
 
 def transpose_bytes(x: Tensor) -> Tensor:
@@ -735,22 +719,19 @@ def softcapped_cross_entropy_sum(logits: Tensor, targets: Tensor) -> Tensor:
 
 class LMHead(nn.Module):
     """Logits, softcap 30·sigmoid(logits/7.5) and cross-entropy: summed over tokens in training (the loop divides
-    by the accumulation steps), the mean in eval. Training uses the FP8 matmul when `fp8`; with `fused` its
-    backward is the one Triton pass (FP8LMHeadCrossEntropySum), else the same function in separate ops."""
+    by the accumulation steps), the mean in eval. Training uses the FP8 matmul when `fp8`; with `fused` the
+    cross-entropy's forward and backward are Triton passes (FP8LMHeadCrossEntropySum), else the same function in
+    separate ops."""
 
-    def __init__(self, dim: int, vocab_size: int, fp8: bool = False, fused: bool = True,
-                 ce_backward_tile: tuple = Hyperparameters.ce_backward_tile, ce_fast_math: bool = False,
-                 fused_ce_forward: bool = False):
+    def __init__(self, dim: int, vocab_size: int, fp8: bool = False, fused: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.bfloat16))  # zero init: loss ln(V)
-        self.fp8, self.fused, self.ce_backward_tile = fp8, fused, tuple(ce_backward_tile)
-        self.ce_fast_math, self.fused_ce_forward = ce_fast_math, fused_ce_forward
+        self.fp8, self.fused = fp8, fused
 
     def forward(self, x: Tensor, targets: Tensor) -> Tensor:
         if self.training and self.fp8:
             if self.fused:
-                return fp8_lm_head_cross_entropy_sum(x, self.weight, targets, self.ce_backward_tile, self.ce_fast_math,
-                                                     self.fused_ce_forward)
+                return fp8_lm_head_cross_entropy_sum(x, self.weight, targets)
             return softcapped_cross_entropy_sum(lm_head_fp8(x, self.weight), targets)
         logits = F.linear(x, self.weight)
         if self.training:
@@ -934,7 +915,7 @@ def attention_fa4(q, k, v, cu_seqlens, max_seqlen, params, which):
     return torch.ops.speedrun.fa4_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
 
 
-# q/k RMS norm and rotary in one Triton pass, inside the FlashAttention-4 op (--fused-qk-norm-rope). Inductor fuses
+# q/k RMS norm and rotary in one Triton pass, inside the FlashAttention-4 op (fa4 backend, Triton). Inductor fuses
 # the same chain, but as a two-loop reduction that parks the rotated rows in fp32 scratch, and its backward then
 # copies dv into the qkv gradient in one more pass. Here the forward reads each raw q/k head row once and writes
 # it normalised and rotated; the backward lets FlashAttention-4 write dv straight into its slot of the qkv
@@ -1146,8 +1127,9 @@ ATTENTION_STATIC_PARAMS = ("fa3",)  # backends that need Python numbers (one com
 def varlen_available() -> bool:
     """PyTorch's FlashAttention-2 varlen kernels with sliding windows (torch >= 2.10, CUDA build)."""
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (the public API of the same kernels)
-        return hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.is_built()
+        from torch.nn.attention import varlen  # varlen.varlen_attn: the public API of the same kernels
+        return (hasattr(varlen, "varlen_attn") and hasattr(torch.ops.aten, "_flash_attention_forward")
+                and torch.backends.cuda.is_built())
     except Exception:
         return False
 
@@ -1487,7 +1469,7 @@ def polar_express_reference(G: Tensor, turbo: bool = False, dtype=torch.float32)
     return _polar_loop(G, turbo, dtype, _TORCH_OPS, buffers=False)
 
 
-def polar_express(G: Tensor, turbo: bool = False, kernels: bool = True) -> Tensor:
+def polar_express(G: Tensor, turbo: bool = False) -> Tensor:
     """Approximate polar factor of every matrix in G (..., rows, cols); same shape as G.
     CUDA: bf16, Triton kernels when the matrices are large enough (else bf16 torch matmuls).  CPU: float32.
     Turbo-Muon (turbo=True): AOL row scaling instead of Frobenius normalisation, 4 iterations instead of 5.
@@ -1498,7 +1480,7 @@ def polar_express(G: Tensor, turbo: bool = False, kernels: bool = True) -> Tenso
         # gates (6x12, 1x12): launch-bound, so fp32 costs nothing and avoids bf16 rounding of A and B (the torch
         # ops round each product to bf16, unlike the kernels' fp32 epilogues: ~8 % vs ~1 % deviation from fp32)
         return polar_express_reference(G, turbo, torch.float32).bfloat16()
-    use_kernels = kernels and _kernels_usable(G) and G.dim() in (2, 3)
+    use_kernels = _kernels_usable(G) and G.dim() in (2, 3)
     return _polar_loop(G, turbo, torch.bfloat16, _TRITON_OPS if use_kernels else _TORCH_OPS, buffers=use_kernels)
 
 
@@ -1596,7 +1578,7 @@ class NorMuon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=0.023, weight_decay=1.2, momentum=0.95, beta2=0.95, custom_sizing=True,
-                 orthogonalizer="polar", ortho_kernels=True):
+                 orthogonalizer="polar"):
         if orthogonalizer not in ("polar", "turbo"):
             raise ValueError(f"orthogonalizer must be 'polar' or 'turbo', got {orthogonalizer!r}")
         params = [p for p in params]
@@ -1607,7 +1589,6 @@ class NorMuon(torch.optim.Optimizer):
                 raise ValueError(f"NorMuon needs 2-D params, got shape {tuple(p.shape)} (label {getattr(p, 'label', None)!r})")
         self.world_size, self.rank = _dist_world()
         self.turbo = orthogonalizer == "turbo"
-        self.ortho_kernels = ortho_kernels  # our Triton kernels on CUDA; False: torch matmuls (A/B timing)
         self.custom_sizing = custom_sizing
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2)
         groups = [dict(params=ps, label=name) for name, ps in self._make_groups(params)]
@@ -1693,7 +1674,7 @@ class NorMuon(torch.optim.Optimizer):
         u = grads.lerp(buf, beta)                        # (1-beta) g + beta M  (Nesterov-style)
         if layout["is_attn"]:
             u = u.view(4 * n, rows // 4, cols)           # Wq, Wk, Wv, Wo separately
-        v = self._orthogonalize_fn(u, turbo=self.turbo, kernels=self.ortho_kernels)
+        v = self._orthogonalize_fn(u, turbo=self.turbo)
         dim = layout["reduce_dim"]
         if "second_momentum_buffer" not in group:
             stat_shape = list(v.shape)
@@ -2145,10 +2126,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, layer: int, dim: int, num_heads: int, head_dim: int, mlp_kernel: str = "inductor",
-                 quack_attn_proj: bool = False):
+    def __init__(self, layer: int, dim: int, num_heads: int, head_dim: int, mlp_kernel: str = "inductor"):
         super().__init__()
-        self.attn = (CausalSelfAttention(dim, num_heads, head_dim, quack_attn_proj)
+        # residual_linear is a quack GEMM: where quack runs the MLP it also runs the attention output projection
+        self.attn = (CausalSelfAttention(dim, num_heads, head_dim, fused_residual=mlp_kernel == "quack")
                      if layer not in GPT.NO_ATTENTION else None)
         self.mlp = MLP(dim, mlp_kernel) if layer not in GPT.NO_MLP else None
 
@@ -2163,14 +2144,11 @@ class GPT(nn.Module):
     NUM_SCALARS = 62               # 12 skip weights, 12x2 block lambdas, 12x2 SA lambdas, smear, backout
 
     def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1, attn_backend: str = "reference",
-                 fp8: bool = False, dynamic_seq_len: bool = False, mlp_kernel: str = "inductor",
-                 quack_attn_proj: bool = False, fused_qk_norm_rope: bool = False, trunk_graphs: int = 1):
+                 fp8: bool = False, mlp_kernel: str = "inductor", trunk_graphs: int = 1):
         """max_seq_len: longest packed micro-batch (rotary tables); world_size: pads the scalars for DistAdam;
-        attn_backend: a key of ATTENTION_BACKENDS; fp8: FP8 lm_head in training; dynamic_seq_len: mark the token
-        dimension dynamic so one compiled graph serves every batch size; mlp_kernel: one of MLP_KERNELS;
-        quack_attn_proj: attention output projections + residual through residual_linear (quack);
-        fused_qk_norm_rope: attention through fa4_qkv (needs attn_backend fa4); trunk_graphs: compiled graphs the
-        trunk is split into (GPT.trunk_part)."""
+        attn_backend: a key of ATTENTION_BACKENDS (fa4 attends through fa4_qkv where Triton is installed); fp8: FP8
+        lm_head in training; mlp_kernel: one of MLP_KERNELS (quack: the attention output projections through
+        residual_linear too); trunk_graphs: compiled graphs the trunk is split into (GPT.trunk_part)."""
         super().__init__()
         d, L = args.model_dim, args.num_layers
         self.vocab_size = next_multiple_of(args.vocab_size, 128)
@@ -2179,11 +2157,9 @@ class GPT(nn.Module):
         self.smear_gate = nn.Linear(12, 1, bias=False)
         nn.init.zeros_(self.smear_gate.weight)
         self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
-        self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim, mlp_kernel, quack_attn_proj)
-                                     for i in range(L)])
+        self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim, mlp_kernel) for i in range(L)])
         self.yarn = Yarn(args.head_dim, max_seq_len)
-        self.lm_head = LMHead(d, self.vocab_size, fp8, args.fused_fp8_head, args.ce_backward_tile, args.ce_fast_math,
-                              args.fused_ce_forward)
+        self.lm_head = LMHead(d, self.vocab_size, fp8, args.fused_fp8_head)
         for m in self.modules():  # embeddings, gates and lm_head live in bf16; the big matrices stay fp32
             if isinstance(m, (nn.Embedding, nn.Linear)):
                 m.bfloat16()
@@ -2201,11 +2177,8 @@ class GPT(nn.Module):
         tag(self.lm_head.weight, "lm_head", 1.0)
         tag(self.scalars, "scalars", 5.0)
         self.attn_fn = ATTENTION_BACKENDS[attn_backend]
-        if fused_qk_norm_rope and attn_backend != "fa4":
-            raise ValueError("fused_qk_norm_rope needs the fa4 attention backend")
-        self.qkv_attn_fn = attention_fa4_qkv if fused_qk_norm_rope else None
+        self.qkv_attn_fn = attention_fa4_qkv if attn_backend == "fa4" and triton is not None else None
         self.static_attention_params = attn_backend in ATTENTION_STATIC_PARAMS
-        self.dynamic_seq_len = dynamic_seq_len
         self.trunk_bounds = trunk_bounds(L, trunk_graphs)
         self._trunk = self._head = None  # compiled regions, set by compile_regions()
         self.compiled_jobs = None  # None: every compiled region runs compiled; a set: only these jobs (the rest eager)
@@ -2229,12 +2202,13 @@ class GPT(nn.Module):
         """The loss (summed over tokens in training, the mean in eval). trunk_parts: run only that many parts of
         the trunk and return their carry (the compile workers' validation pass)."""
         attn_params = self.attention_params(ws_short, ws_long)
-        if self.dynamic_seq_len:  # one compiled graph for every micro-batch length (and cu_seqlens length)
+        dynamic = self._trunk is not None  # compiled: one graph for every micro-batch length (and cu_seqlens length)
+        if dynamic:
             for t in (input_seq, target_seq, cu_seqlens):
                 torch._dynamo.mark_dynamic(t, 0)
         carry = None
         for k, (first, last) in enumerate(self.trunk_bounds[:trunk_parts]):
-            if self.dynamic_seq_len and carry is not None:
+            if dynamic and carry is not None:
                 for t in pytree_tensors(carry):
                     torch._dynamo.mark_dynamic(t, 0)
             part = self.compiled(f"trunk{k}", self._trunk, self.trunk_part)
@@ -2242,7 +2216,7 @@ class GPT(nn.Module):
         if trunk_parts is not None:
             return carry
         x = carry
-        if self.dynamic_seq_len:
+        if dynamic:
             torch._dynamo.mark_dynamic(x, 0)
         return self.compiled("head", self._head, self.head)(x, target_seq)
 
@@ -2806,9 +2780,9 @@ class MicroBatchGraphs:
             torch._foreach_zero_(zero)
 
     def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward) -> bool:
-        """forward_backward(inputs, targets, cu_seqlens, divisor): one micro-batch's forward and backward of
-        loss / divisor, returning the loss (which a graph writes into self.loss). False: this micro-batch is for the
-        caller to run eagerly (its key's first)."""
+        """forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor): one micro-batch's forward and
+        backward of loss / divisor, returning the loss (which a graph writes into self.loss). False: this micro-batch
+        is for the caller to run eagerly (its key's first)."""
         key = self.key(batch, ws_short, ws_long)
         entry = self.graphs.get(key)
         if entry is None and key not in self.seen:
@@ -2826,7 +2800,7 @@ class MicroBatchGraphs:
             reduced = []
 
             def micro_batch():
-                self.loss.copy_(forward_backward(*static, self.divisor))
+                self.loss.copy_(forward_backward(*static, ws_short, ws_long, self.divisor))
                 reduced[:] = self.adam.join_reduce_scatters()
 
             graph = self.new_graph()
@@ -2864,8 +2838,7 @@ def build_optimizers(model: GPT, args: Hyperparameters):
     assert {id(p) for p in hidden + gates + adam_params} == {id(p) for p in model.parameters()}
     adam = DistAdam(adam_params, lr=args.adam_lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
     muon = NorMuon(hidden + gates, lr=args.muon_lr, weight_decay=args.muon_weight_decay,
-                   momentum=args.muon_momentum_warmup[0], beta2=args.muon_beta2, orthogonalizer=args.orthogonalizer,
-                   ortho_kernels=args.ortho_kernels)
+                   momentum=args.muon_momentum_warmup[0], beta2=args.muon_beta2, orthogonalizer=args.orthogonalizer)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -2978,27 +2951,24 @@ class Trainer:
                                                       a.train_epochs, self.rt.device))
 
     def train_step(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
-                   micro_batches: int):
-        self.accumulate_gradients(step, batches, settings, ws_short, ws_long, micro_batches)
-        optimizer_step(step, self.model, self.adam, self.muon)
-
-    def accumulate_gradients(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
-                             micro_batches: int, losses: list = None):
-        """A step's micro-batches, forward and backward, their gradients summed into .grad (no optimizer step).
-        losses: a list that gets each micro-batch's summed loss (0-D tensors on the device), or None."""
+                   micro_batches: int, losses: list = None, optimize: bool = True):
+        """One training step: every micro-batch's forward and backward (its CUDA graph replayed, or eagerly), the
+        gradients summed into .grad, then the optimizers. settings: the data generator's new (batch size, ...) at
+        a stage switch, else None. losses: gets each micro-batch's summed loss (0-D tensors on the device).
+        optimize=False stops before the optimizers (the benchmark's graphs-against-eager check)."""
         for micro in range(micro_batches):
-            if step % 2 == 1 and micro == micro_batches - 1:
-                self.adam.should_sync = True  # the post-accumulate hooks launch Adam's reduce-scatters
+            # Adam steps on odd steps: the gradient hooks of that step's last backward launch its reduce-scatters
+            self.adam.should_sync = step % 2 == 1 and micro == micro_batches - 1
             batch = batches.get(settings if micro == 0 else None)
-            if self.graphs is not None and self.graphs.run(
-                    batch, ws_short, ws_long, micro_batches,
-                    lambda inputs, targets, cu_seqlens, divisor:
-                        self.forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor)):
+            if self.graphs is not None and self.graphs.run(batch, ws_short, ws_long, micro_batches,
+                                                           self.forward_backward):
                 loss = self.graphs.loss
             else:
                 loss = self.forward_backward(*batch, ws_short, ws_long, micro_batches)
             if losses is not None:
                 losses.append(loss.clone())
+        if optimize:
+            optimizer_step(step, self.model, self.adam, self.muon)
 
     def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor) -> Tensor:
         """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward. Returns
@@ -3123,10 +3093,8 @@ class Trainer:
                  f"{sum(s for _, s in self.warm_up_times):.1f}s")
 
     def train(self) -> "RunResult":
-        with no_compiles_allowed(self.args.fail_on_recompile):
-            return self._timed_loop()
-
-    def _timed_loop(self) -> "RunResult":
+        """The timed run: per step the stage's batch size and windows, a validation where due (off the clock), the
+        schedules, then train_step. Nothing may compile in here: the warm-up compiled every graph."""
         a, log = self.args, self.log
         total = a.num_iterations
         table = stages(a)
@@ -3138,50 +3106,35 @@ class Trainer:
         gc.collect()  # no stop-the-world gen-2 collection in the timed region
         synchronize(self.rt.device)
         t0 = time.perf_counter()
-        for step in range(total + 1):
-            last = step == total
-            stage = table[stage_index(step, a)]
-            ws_short, ws_long = stage.ws_short, stage.ws_long
-            if step in switch_steps:
-                log(schedule_line(step, a))
-            if ws_long != current_long:
-                self.model.yarn.apply(current_long, ws_long)
-                current_long = ws_long
-            if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
-                synchronize(self.rt.device)
-                training_time_ms += 1000 * (time.perf_counter() - t0)
-                eval_long = a.ws_validate_post_yarn_ext if last else ws_long  # no YaRN update for the final one
-                val_loss = self.evaluate(ws_short, eval_long)
-                log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
-                    f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
-                synchronize(self.rt.device)
-                t0 = time.perf_counter()
-            if last:
-                break
-            bs = stage.batch_size
-            settings = (bs, a.train_max_seq_len, self.rt.grad_accum_steps) if bs != previous_bs else None
-            previous_bs = bs
-            self.set_schedules(step)
-            if step == a.profile_step:
-                self.profile_step(step, batches, settings, ws_short, ws_long)
-            else:
+        with no_compiles_allowed(a.fail_on_recompile):
+            for step in range(total + 1):
+                last = step == total
+                stage = table[stage_index(step, a)]
+                ws_short, ws_long = stage.ws_short, stage.ws_long
+                if step in switch_steps:
+                    log(schedule_line(step, a))
+                if ws_long != current_long:
+                    self.model.yarn.apply(current_long, ws_long)
+                    current_long = ws_long
+                if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
+                    synchronize(self.rt.device)
+                    training_time_ms += 1000 * (time.perf_counter() - t0)
+                    eval_long = a.ws_validate_post_yarn_ext if last else ws_long  # no YaRN update for the final one
+                    val_loss = self.evaluate(ws_short, eval_long)
+                    log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
+                        f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+                    synchronize(self.rt.device)
+                    t0 = time.perf_counter()
+                if last:
+                    break
+                bs = stage.batch_size
+                settings = (bs, a.train_max_seq_len, self.rt.grad_accum_steps) if bs != previous_bs else None
+                previous_bs = bs
+                self.set_schedules(step)
                 self.train_step(step, batches, settings, ws_short, ws_long, self.rt.grad_accum_steps)
-            approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
-            log(f"step:{step + 1}/{total} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
+                approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
+                log(f"step:{step + 1}/{total} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
         return RunResult(steps=total, val_loss=val_loss, train_time_ms=training_time_ms)
-
-    def profile_step(self, step, batches, settings, ws_short, ws_long):
-        """One training step under torch.profiler (diagnostics: the step's time includes profiler overhead)."""
-        from torch.profiler import ProfilerActivity, profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.rt.device == "cuda" else [])
-        synchronize(self.rt.device)
-        with profile(activities=activities) as prof:
-            self.train_step(step, batches, settings, ws_short, ws_long, self.rt.grad_accum_steps)
-            synchronize(self.rt.device)
-        if self.log.master:
-            path = self.log.path.with_name(self.log.path.stem + "_profile.txt")
-            path.write_text(summarize_profile(prof, f"step {step}, world size {self.rt.world_size}"))
-            self.console(f"profile of step {step} written to {path}")
 
 
 # =====================================================================================
@@ -3211,116 +3164,6 @@ def no_compiles_allowed(enabled: bool = True):
     """Context in which any torch.compile (re)compilation raises instead of silently spending tens of seconds:
     every graph the timed loop needs must have been compiled by the warm-up."""
     return torch.compiler.set_stance("fail_on_recompile") if enabled else contextlib.nullcontext()
-
-
-def _union_length(intervals) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
-def _intersection_length(a_intervals, b_intervals) -> float:
-    return _union_length(a_intervals) + _union_length(b_intervals) - _union_length(a_intervals + b_intervals)
-
-
-HOST_WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-                   "cudaMemcpyAsync")
-
-
-def host_wait_summary(prof) -> str:
-    """Calls and CPU time of the runtime calls that can stall the CPU. Memcpys are listed because a copy from
-    pageable memory (or a blocking one) waits for the stream; any synchronize in a training step is a bug."""
-    found = {}
-    for e in prof.events():
-        if e.name in HOST_WAIT_CALLS:
-            n, ms = found.get(e.name, (0, 0.0))
-            found[e.name] = (n + 1, ms + (e.time_range.end - e.time_range.start) / 1e3)
-    return ", ".join(f"{name} {n}x {ms:.2f} ms" for name, (n, ms) in sorted(found.items())) or "none"
-
-
-def profile_kernels(prof) -> list:
-    """(name, start ms, end ms) of every GPU kernel a profile recorded."""
-    return [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()
-            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
-
-
-def profile_timeline(kernels: list) -> dict:
-    """ms of the GPU timeline: its span, compute and communication (NCCL) busy time, the communication that
-    overlaps compute, the exposed rest (communication alone on the GPU) and the idle time."""
-    t0 = min(k[1] for k in kernels)
-    comm = [(a, b) for n, a, b in kernels if "nccl" in n.lower()]
-    compute = [(a, b) for n, a, b in kernels if "nccl" not in n.lower()]
-    span = max(k[2] for k in kernels) - t0
-    comm_busy, overlapped = _union_length(comm), _intersection_length(comm, compute)
-    return dict(span_ms=span, compute_busy_ms=_union_length(compute), communication_busy_ms=comm_busy,
-                communication_overlapped_ms=overlapped, communication_exposed_ms=comm_busy - overlapped,
-                idle_ms=span - _union_length(compute + comm))
-
-
-def summarize_profile(prof, title: str) -> str:
-    """Communication vs compute on the GPU timeline of one step: busy time of each, their overlap, and the
-    start/duration of every NCCL kernel relative to the first kernel of the step."""
-    kernels = profile_kernels(prof)
-    if not kernels:
-        return f"profile ({title}): no GPU kernels recorded\n"
-    t0 = min(k[1] for k in kernels)
-    compute = [(a, b) for n, a, b in kernels if "nccl" not in n.lower()]
-    t = profile_timeline(kernels)
-    out = [f"profile ({title}); times in ms from the step's first GPU kernel",
-           f"GPU span {t['span_ms']:.2f}  compute busy {t['compute_busy_ms']:.2f}  communication busy "
-           f"{t['communication_busy_ms']:.2f}  communication overlapped with compute "
-           f"{t['communication_overlapped_ms']:.2f}  idle {t['idle_ms']:.2f}",
-           "host waits (CUDA runtime calls that block the CPU): " + host_wait_summary(prof),
-           "", "NCCL kernels: start  duration  overlapped-with-compute  name"]
-    for n, a, b in sorted((k for k in kernels if "nccl" in k[0].lower()), key=lambda k: k[1]):
-        out.append(f"  {a - t0:9.2f} {b - a:8.3f} {_intersection_length([(a, b)], compute):8.3f}  {n[:90]}")
-    totals = {}
-    for n, a, b in kernels:
-        c, t = totals.get(n, (0, 0.0))
-        totals[n] = (c + 1, t + b - a)
-    kinds = {}
-    for n, (c, t) in totals.items():
-        k = kernel_kind(n)
-        kc, kt = kinds.get(k, (0, 0.0))
-        kinds[k] = (kc + c, kt + t)
-    out += ["", "GPU time by kind of kernel: total_ms  calls  kind"]
-    for k, (c, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
-        out.append(f"  {t:9.2f} {c:6d}  {k}")
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
-    out += ["", "top kernels by GPU time: total_ms  calls  name"]
-    for n, (c, t) in ranked[:TOP_KERNELS]:
-        out.append(f"  {t:9.2f} {c:6d}  {short_kernel_name(n)[:120]}")
-    if len(ranked) > TOP_KERNELS:
-        rest = ranked[TOP_KERNELS:]
-        out.append(f"  {sum(t for _, (_, t) in rest):9.2f} {sum(c for _, (c, _) in rest):6d}  "
-                   f"({len(rest)} other kernels)")
-    return "\n".join(out) + "\n"
-
-
-TOP_KERNELS = 60
-
-# Which library or compiler a kernel came from, by its name (first match wins).
-KERNEL_KINDS = (("nccl", "NCCL collectives"), ("flash", "FlashAttention"), ("quack", "quack GEMMs"),
-                ("nvjet|gemm|xmma|cutlass", "cuBLAS/CUTLASS GEMMs"), ("^triton_", "Inductor's Triton kernels"),
-                ("^_", "our Triton kernels"), ("memcpy|memset", "copies and fills"),
-                ("at::native|^void at::", "ATen kernels"))
-
-
-def short_kernel_name(name: str) -> str:
-    """A kernel's name without the namespaces that hide which operation an ATen kernel runs."""
-    for noise in ("void ", "at::native::", "(anonymous namespace)::", "at_cuda_detail::", "c10::"):
-        name = name.replace(noise, "")
-    return name
-
-
-def kernel_kind(name: str) -> str:
-    for pattern, kind in KERNEL_KINDS:
-        if re.search(pattern, name, flags=re.IGNORECASE):
-            return kind
-    return "other"
 
 
 def replicas_identical(model: nn.Module) -> bool:
@@ -3405,10 +3248,7 @@ class Runtime:
     attn_backend: str         # a key of ATTENTION_BACKENDS
     compile: bool
     fp8: bool
-    dynamic_seq_len: bool     # one compiled graph for every batch size
-    mlp_kernel: str = "inductor"   # one of MLP_KERNELS
-    quack_attn_proj: bool = False     # residual_linear: attention output projection + residual in one quack GEMM
-    fused_qk_norm_rope: bool = False  # fa4_qkv: q/k norm + rotary fused into the FlashAttention-4 op
+    mlp_kernel: str = "inductor"      # one of MLP_KERNELS
     trunk_graphs: int = 1             # compiled graphs the trunk is split into (GPT.trunk_bounds)
     parallel_compile: bool = False    # compile workers were started for the jobs beyond this process's first
     cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)
@@ -3424,12 +3264,9 @@ class Runtime:
         fused_head = self.fp8 and args.fused_fp8_head
         return (f'Run config: world_size={self.world_size} grad_accum_steps={self.grad_accum_steps} '
                 f'device={self.device} attn_backend={self.attn_backend} orthogonalizer={args.orthogonalizer} '
-                f'fp8={int(self.fp8)} compile={int(self.compile)} dynamic_seq_len={int(self.dynamic_seq_len)} '
-                f'fused_fp8_head={int(fused_head)} ce_fast_math={int(fused_head and args.ce_fast_math)} '
-                f'fused_ce_forward={int(fused_head and args.fused_ce_forward)} '
-                f'mlp_kernel={self.mlp_kernel} quack_attn_proj={int(self.quack_attn_proj)} '
-                f'fused_qk_norm_rope={int(self.fused_qk_norm_rope)} '
-                f'trunk_graphs={self.trunk_graphs} parallel_compile={int(self.parallel_compile)} '
+                f'fp8={int(self.fp8)} compile={int(self.compile)} fused_fp8_head={int(fused_head)} '
+                f'mlp_kernel={self.mlp_kernel} trunk_graphs={self.trunk_graphs} '
+                f'parallel_compile={int(self.parallel_compile)} '
                 f'cuda_graphs={int(self.cuda_graphs)} bf16_gemms_in_fp32={int(self.bf16_gemms_in_fp32)} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
@@ -3475,7 +3312,7 @@ def parallel_compile_configured(args: Hyperparameters, device: str, env=os.envir
 
 
 def resolve_trunk_graphs(args: Hyperparameters, device: str, env=os.environ) -> int:
-    return args.trunk_graphs or (PARALLEL_TRUNK_GRAPHS if parallel_compile_configured(args, device, env) else 1)
+    return PARALLEL_TRUNK_GRAPHS if parallel_compile_configured(args, device, env) else 1
 
 
 def resolve_cuda_graphs(args: Hyperparameters, device: str, use_compile: bool) -> bool:
@@ -3500,15 +3337,11 @@ def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: boo
     backend = resolve_attention_backend(args.attn_backend, device)
     if use_compile and backend == "reference":
         raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
-    mlp_kernel = resolve_mlp_kernel(args.mlp_kernel, device)
     rt = Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
                    world_size=world_size, launched="RANK" in env, grad_accum_steps=grad_accum_steps_for(world_size),
                    attn_backend=backend,
                    compile=use_compile, fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
-                   dynamic_seq_len=use_compile and args.dynamic_seq_len,
-                   mlp_kernel=mlp_kernel,
-                   fused_qk_norm_rope=args.fused_qk_norm_rope and backend == "fa4" and triton is not None,
-                   quack_attn_proj=args.quack_attn_proj and mlp_kernel == "quack",
+                   mlp_kernel=resolve_mlp_kernel(args.mlp_kernel, device),
                    trunk_graphs=resolve_trunk_graphs(args, device, env), parallel_compile=parallel_compile,
                    cuda_graphs=resolve_cuda_graphs(args, device, use_compile),
                    bf16_gemms_in_fp32=device == "cpu" and not use_compile and not native_bf16_gemms())
@@ -3586,8 +3419,7 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     micro_batches = rt.grad_accum_steps * rt.world_size  # per step, over all ranks
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
-                dynamic_seq_len=rt.dynamic_seq_len, mlp_kernel=rt.mlp_kernel, quack_attn_proj=rt.quack_attn_proj,
-                fused_qk_norm_rope=rt.fused_qk_norm_rope, trunk_graphs=rt.trunk_graphs).to(rt.device)
+                mlp_kernel=rt.mlp_kernel, trunk_graphs=rt.trunk_graphs).to(rt.device)
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     if rt.compile:
         model.compile_regions(dynamic=False, fullgraph=True)
@@ -3809,7 +3641,7 @@ def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
 
 
 # Compile workers. With empty caches most of the cold start is Inductor compiling the trunk on one CPU core, graph
-# after graph. The trunk's --trunk-graphs parts, the head and the optimizers' helpers are independent compile jobs:
+# after graph. The trunk's two parts, the head and the optimizers' helpers are independent compile jobs:
 # helper processes (one per job but the first, on this process's GPU, started before the kernel libraries load)
 # each compile one while this process compiles the first; the warm-up then finds their graphs in Inductor's on-disk
 # cache, because the same code given inputs of the same shapes, dtypes and strides yields the same cache keys.
@@ -3829,7 +3661,7 @@ def compile_jobs(trunk_graphs: int, world_size: int) -> list:
 
 # Settings that cannot change a compiled graph: a run that differs from an earlier one only in these still finds
 # its graphs in the caches. (A change anywhere else only means that the helpers run again.)
-GRAPH_NEUTRAL_SETTINGS = ("run_id", "seed", "log_dir", "save_checkpoint", "profile_step", "compile_cache", "data_path",
+GRAPH_NEUTRAL_SETTINGS = ("run_id", "seed", "log_dir", "save_checkpoint", "compile_cache", "data_path",
                           "train_files", "val_files", "train_epochs", "val_loss_every", "check", "check_flags",
                           "num_scheduled_iterations", "num_extension_iterations", "parallel_compile", "cuda_graphs")
 

@@ -32,6 +32,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -182,6 +183,118 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- profile summaries: a profiled step's GPU timeline, its kernels, its host waits ------------------------
+
+def _union_length(intervals) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _intersection_length(a_intervals, b_intervals) -> float:
+    return _union_length(a_intervals) + _union_length(b_intervals) - _union_length(a_intervals + b_intervals)
+
+
+HOST_WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                   "cudaMemcpyAsync")
+
+
+def host_wait_summary(prof) -> str:
+    """Calls and CPU time of the runtime calls that can stall the CPU. Memcpys are listed because a copy from
+    pageable memory (or a blocking one) waits for the stream; any synchronize in a training step is a bug."""
+    found = {}
+    for e in prof.events():
+        if e.name in HOST_WAIT_CALLS:
+            n, ms = found.get(e.name, (0, 0.0))
+            found[e.name] = (n + 1, ms + (e.time_range.end - e.time_range.start) / 1e3)
+    return ", ".join(f"{name} {n}x {ms:.2f} ms" for name, (n, ms) in sorted(found.items())) or "none"
+
+
+def profile_kernels(prof) -> list:
+    """(name, start ms, end ms) of every GPU kernel a profile recorded."""
+    return [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()
+            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+
+
+def profile_timeline(kernels: list) -> dict:
+    """ms of the GPU timeline: its span, compute and communication (NCCL) busy time, the communication that
+    overlaps compute, the exposed rest (communication alone on the GPU) and the idle time."""
+    t0 = min(k[1] for k in kernels)
+    comm = [(a, b) for n, a, b in kernels if "nccl" in n.lower()]
+    compute = [(a, b) for n, a, b in kernels if "nccl" not in n.lower()]
+    span = max(k[2] for k in kernels) - t0
+    comm_busy, overlapped = _union_length(comm), _intersection_length(comm, compute)
+    return dict(span_ms=span, compute_busy_ms=_union_length(compute), communication_busy_ms=comm_busy,
+                communication_overlapped_ms=overlapped, communication_exposed_ms=comm_busy - overlapped,
+                idle_ms=span - _union_length(compute + comm))
+
+
+def summarize_profile(prof, title: str) -> str:
+    """Communication vs compute on the GPU timeline of one step: busy time of each, their overlap, and the
+    start/duration of every NCCL kernel relative to the first kernel of the step."""
+    kernels = profile_kernels(prof)
+    if not kernels:
+        return f"profile ({title}): no GPU kernels recorded\n"
+    t0 = min(k[1] for k in kernels)
+    compute = [(a, b) for n, a, b in kernels if "nccl" not in n.lower()]
+    t = profile_timeline(kernels)
+    out = [f"profile ({title}); times in ms from the step's first GPU kernel",
+           f"GPU span {t['span_ms']:.2f}  compute busy {t['compute_busy_ms']:.2f}  communication busy "
+           f"{t['communication_busy_ms']:.2f}  communication overlapped with compute "
+           f"{t['communication_overlapped_ms']:.2f}  idle {t['idle_ms']:.2f}",
+           "host waits (CUDA runtime calls that block the CPU): " + host_wait_summary(prof),
+           "", "NCCL kernels: start  duration  overlapped-with-compute  name"]
+    for n, a, b in sorted((k for k in kernels if "nccl" in k[0].lower()), key=lambda k: k[1]):
+        out.append(f"  {a - t0:9.2f} {b - a:8.3f} {_intersection_length([(a, b)], compute):8.3f}  {n[:90]}")
+    totals = {}
+    for n, a, b in kernels:
+        c, t = totals.get(n, (0, 0.0))
+        totals[n] = (c + 1, t + b - a)
+    kinds = {}
+    for n, (c, t) in totals.items():
+        k = kernel_kind(n)
+        kc, kt = kinds.get(k, (0, 0.0))
+        kinds[k] = (kc + c, kt + t)
+    out += ["", "GPU time by kind of kernel: total_ms  calls  kind"]
+    for k, (c, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+        out.append(f"  {t:9.2f} {c:6d}  {k}")
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
+    out += ["", "top kernels by GPU time: total_ms  calls  name"]
+    for n, (c, t) in ranked[:TOP_KERNELS]:
+        out.append(f"  {t:9.2f} {c:6d}  {short_kernel_name(n)[:120]}")
+    if len(ranked) > TOP_KERNELS:
+        rest = ranked[TOP_KERNELS:]
+        out.append(f"  {sum(t for _, (_, t) in rest):9.2f} {sum(c for _, (c, _) in rest):6d}  "
+                   f"({len(rest)} other kernels)")
+    return "\n".join(out) + "\n"
+
+
+TOP_KERNELS = 60
+
+# Which library or compiler a kernel came from, by its name (first match wins).
+KERNEL_KINDS = (("nccl", "NCCL collectives"), ("flash", "FlashAttention"), ("quack", "quack GEMMs"),
+                ("nvjet|gemm|xmma|cutlass", "cuBLAS/CUTLASS GEMMs"), ("^triton_", "Inductor's Triton kernels"),
+                ("^_", "our Triton kernels"), ("memcpy|memset", "copies and fills"),
+                ("at::native|^void at::", "ATen kernels"))
+
+
+def short_kernel_name(name: str) -> str:
+    """A kernel's name without the namespaces that hide which operation an ATen kernel runs."""
+    for noise in ("void ", "at::native::", "(anonymous namespace)::", "at_cuda_detail::", "c10::"):
+        name = name.replace(noise, "")
+    return name
+
+
+def kernel_kind(name: str) -> str:
+    for pattern, kind in KERNEL_KINDS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return kind
+    return "other"
+
+
 # ---- the benchmark -----------------------------------------------------------------------------------------
 
 def inductor_cache_dir() -> Path:
@@ -252,10 +365,10 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
 
 
 def timeline_per_step(one_step) -> dict:
-    """The GPU timeline (tg.profile_timeline) of two steps profiled together, per step: one step with Adam's
+    """The GPU timeline (profile_timeline) of two steps profiled together, per step: one step with Adam's
     collectives and one without (it steps every other step)."""
-    return {k: v / 2 for k, v in tg.profile_timeline(tg.profile_kernels(profile_of(lambda: (one_step(), one_step()))))
-            .items()}
+    kernels = profile_kernels(profile_of(lambda: (one_step(), one_step())))
+    return {k: v / 2 for k, v in profile_timeline(kernels).items()}
 
 
 def check_cuda_graphs(trainer, args) -> dict:
@@ -287,8 +400,8 @@ def check_cuda_graphs(trainer, args) -> dict:
                     model.zero_grad(set_to_none=True)
                     losses[name] = []
                     # an odd step: with several processes its last micro-batch launches Adam's reduce-scatters
-                    trainer.accumulate_gradients(1, trainer.new_batches(stage.batch_size), None, stage.ws_short,
-                                                 stage.ws_long, trainer.rt.grad_accum_steps, losses[name])
+                    trainer.train_step(1, trainer.new_batches(stage.batch_size), None, stage.ws_short,
+                                       stage.ws_long, trainer.rt.grad_accum_steps, losses[name], optimize=False)
                     trainer.adam.should_sync = False
                     averaged = [trainer.adam._grad_slices[p] for p in trainer.adam.join_reduce_scatters()]
                     trainer.adam._pending.clear()  # no optimizer step follows
@@ -400,7 +513,7 @@ def profile_of(step, record_shapes: bool = False):
 
 def profiled(step, title: str) -> str:
     prof = profile_of(step, record_shapes=True)
-    return (tg.summarize_profile(prof, title) + "\n" + host_time_by_op(prof) + "\n"
+    return (summarize_profile(prof, title) + "\n" + host_time_by_op(prof) + "\n"
             + gpu_time_by_op_and_shape(prof))
 
 
@@ -536,10 +649,8 @@ def main(argv=None) -> int:
         date=datetime.date.today().isoformat(), command=" ".join([Path(sys.executable).name, *sys.argv]),
         world_size=world, as_world_size=as_world,
         data="synthetic document-structured tokens (log-normal lengths, median 600)",
-        train_flags=a.train_flags, runtime=dataclasses.asdict(trainer.rt),
-        dynamic_seq_len=trainer.rt.dynamic_seq_len, fused_fp8_head=args.fused_fp8_head,
-        ce_backward_tile=list(args.ce_backward_tile), matmul_params=n_params, bf16_peak_tflops=peak / 1e12,
-        attn_backend=trainer.rt.attn_backend, fp8=trainer.rt.fp8)
+        train_flags=a.train_flags, runtime=dataclasses.asdict(trainer.rt), fused_fp8_head=args.fused_fp8_head,
+        matmul_params=n_params, bf16_peak_tflops=peak / 1e12, attn_backend=trainer.rt.attn_backend, fp8=trainer.rt.fp8)
     result["cold_start"] = cold
     result["timed_steps_recompiles"] = "none: every timed step ran under train_gpt.no_compiles_allowed()"
     profile_stages = tuple(int(n) for n in a.profile_stages.split(",") if n.strip())

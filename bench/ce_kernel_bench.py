@@ -5,13 +5,13 @@
 The unfused path is what the trainer runs with --fused-fp8-head 0: Inductor's kernel for the bf16 softcap/CE
 gradient and its e5m2 cast (compiled), then the tiled transpose_bytes kernel. Every fused variant must produce the
 same e5m2 bytes as the PyTorch reference formula (up to a handful of last-bit flips, share reported) and a
-transpose that is exactly the transposed (T, V) output. Every tile also runs with --ce-fast-math (rows
-"BT,BV,W,fast"): their bytes differ where tanh.approx moves a value across an e5m2 rounding boundary; rel_diff is the
+transpose that is exactly the transposed (T, V) output. Every tile also runs with fast math, the trainer's math
+(rows "BT,BV,W,fast"): their bytes differ where tanh.approx moves a value across an e5m2 rounding boundary; rel_diff is the
 gradient's relative difference from the reference formula, and `best with fast math` the fastest of those rows.
 
-Then the forward (the log-sum-exp pass): Inductor's compiled softcap_ce_forward, which the trainer traces by
-default, against the Triton pass of --fused-ce-forward at several tiles, exact and fast math; each fused row reports
-its largest log-sum-exp difference from Inductor's and the relative difference of the summed loss."""
+Then the forward (the log-sum-exp pass): Inductor's compiled softcap_ce_forward, which the unfused head traces,
+against the fused head's Triton pass at several tiles, exact and fast math; each fused row reports its largest
+log-sum-exp difference from Inductor's and the relative difference of the summed loss."""
 import argparse
 import json
 import sys
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     g, g_t = unfused()
     rows["unfused"]["bytes_identical_share"] = (g.view(torch.uint8) == ref).double().mean().item()
     out, out_t = torch.empty((T, V), dtype=torch.uint8, device="cuda"), torch.empty((V, T), dtype=torch.uint8, device="cuda")
-    # every tile with exact math and with --ce-fast-math (name suffix ",fast")
+    # every tile with exact math and with fast math (name suffix ",fast")
     for cfg, fast in [(cfg, fast) for cfg in VARIANTS for fast in (False, True)]:
         name = ",".join(map(str, cfg)) + (",fast" if fast else "")
 

@@ -18,30 +18,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 HASH = re.compile(r"\b[0-9a-f]{7,40}\b")
 
 QUESTIONS = {
-    "2026-11-22_h100x1_bench.json":
-        "How fast is the trainer before the issue-4 optimisations (ac1a1bf)? Full benchmark: stages, cold start, "
-        "optimizers, orthogonalizers, profile",
-    "2026-11-22_h100x1_bench_dynamic.json":
-        "Full benchmark with one compiled graph for all stages (dynamic token dim), unfused FP8 head",
-    "2026-11-22_h100x1_bench_static.json":
-        "Control of ..._bench_dynamic (same call): one compiled graph per stage (--static)",
     "2026-11-22_h100x1_bench_fused_64x128.json":
         "Full benchmark with the fused FP8 head at its first tile (64x128, 8 warps)",
     "2026-11-22_h100x1_bench_static_fused_64x128.json":
         "Does one graph for all stages cost step time? --static control of ..._bench_fused_64x128 (same machine)",
-    "2026-11-22_h100x1_bench_unfused_head.json":
-        "Does the fused FP8 head beat the unfused one? --unfused-head control of ..._bench_fused_64x128 (same machine)",
     "2026-11-22_h100x1_ce_kernel_variants.json":
         "Which tile of the fused CE-backward kernel is fastest, against the unfused path? (32x128, 4 warps)",
-    "2026-11-22_h100x1_bench_final.json":
-        "Full benchmark with the fused head at its best tile (32x128/4), FA2 attention (3960b45's trainer)",
-    "2026-11-22_h100x1_fused_vs_unfused_head_runs.json":
-        "Does the fused FP8 head change the loss? Proxy schedule, seeds 1-2, fused vs unfused head",
-    "2026-11-22_h100x1_gpu_checks.json":
-        "Are the FP8 head, FA2 attention, the orthogonalizer's Triton kernels and Polar Express / Turbo-Muon "
-        "correct on the GPU? (first GPU checks)",
-    "2026-11-22_h100x1_gpu_checks_attention_fp8.json":
-        "FA2 attention and the FP8 head against their references (our FA2 op vs torch's varlen_attn)",
     "2026-11-22_h100x1_gpu_checks_fused_head.json":
         "Is the fused head's e5m2 gradient the reference formula's, byte for byte? (with attention and FP8 head)",
     "2026-11-22_h100x1_gpu_checks_fa4.json":
@@ -52,27 +34,6 @@ QUESTIONS = {
         "Per-stage step times with FA4 in the whole model (same machine as ..._bench_hostsync_varlen)",
     "2026-11-22_h100x1_relu2_mm.json":
         "Which tile of the ReLU² Triton GEMM is fastest, and does it beat cuBLAS + Inductor? (no, ~10 % slower)",
-    "2026-11-22_h100x1_bench_final_fa4.json":
-        "Full benchmark of the final default configuration (FA4, fused head, Inductor's ReLU²)",
-    "2026-11-22_h100x1_bench_fa4_fused_mlp.json":
-        "Does the fused ReLU² GEMM help the whole model? Control of ..._bench_final_fa4 (same machine)",
-    "2026-11-22_h100x1_ml_check_optimized_vs_unoptimized.json":
-        "Do the optimisations change the loss? Final defaults vs FA2 + unfused head, proxy schedule, 3 seeds",
-    "2026-11-22_h100x1_proxy_96steps.json":
-        "Does the trainer run the 90+6-step proxy schedule end to end on one H100? (first proxy run)",
-    "2026-11-22_h200x2_w2_vs_w1.json":
-        "Does the trainer scale to 2 GPUs, and does W=2 reach W=1's loss? (one seed each, profiled step 75)",
-    "2026-11-22_h200x2_w1_w2_spread.json":
-        "W=2 vs W=1, and after vs before the optimisations, over 3 seeds; communication overlap; kill test",
-    "2026-11-23_h100x1_cold_start_varlen.json":
-        "Cold start with FA2 as the first backend on a fresh machine (caches of its own)",
-    "2026-11-23_h100x1_cold_start_fa4.json":
-        "Cold start with FA4, second on the same machine after FA2 (caches of its own)",
-    "2026-11-23_h100x1_cold_start_fa4_first.json":
-        "Cold start and step times of the final default configuration, FA4 first on a fresh machine "
-        "(bench/RESULTS.md's current numbers)",
-    "2026-11-23_h100x1_cold_start_varlen_second.json":
-        "Cold start with FA2, second on the same machine after FA4 (caches of its own, OS file cache warm)",
 }
 
 

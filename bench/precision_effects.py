@@ -504,7 +504,7 @@ def compiled_check(tokens=1024, seed=0, dev="cuda") -> dict:
         lg, tt = logits.to(dev), targets.to(dev)
         lse = tg.softcap_ce_forward(lg, tt)[1]
         ours_f8 = torch.ops.speedrun.softcap_ce_backward(lg, lse, tt, torch.tensor(1.0, device=dev),
-                                                        tg.FP8_GRAD_SCALE, list(tg.Hyperparameters.ce_backward_tile))[0]
+                                                        tg.FP8_GRAD_SCALE, list(tg.CE_BACKWARD_TILE))[0]
         rec_f8 = tg.quantize_e5m2(grads["compiled"].to(dev), tg.FP8_GRAD_SCALE)
         ce["share_e5m2_bytes_equal_ours_fused_vs_record_compiled"] = \
             (ours_f8.view(torch.uint8) == rec_f8.view(torch.uint8)).double().mean().item()

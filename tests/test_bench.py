@@ -1,4 +1,4 @@
-"""bench/bench.py: the parts that run without a GPU (synthetic data, FLOP count, MFU, the table)."""
+"""bench/bench.py: the parts that run without a GPU (synthetic data, FLOP count, MFU, the table, profile summaries)."""
 import sys
 from pathlib import Path
 
@@ -123,7 +123,7 @@ def test_profile_summary_reports_gpu_idle_time_and_host_waits():
               _FakeEvent("cudaStreamSynchronize", 700, 800, False), _FakeEvent("cudaMemcpyAsync", 0, 50, False),
               _FakeEvent("cudaLaunchKernel", 0, 5, False)]
     prof = type("P", (), dict(events=lambda self: events))()
-    text = tg.summarize_profile(prof, "fake")
+    text = bench.summarize_profile(prof, "fake")
     assert "GPU span 10.00" in text and "compute busy 8.00" in text and "idle 2.00" in text
     assert "cudaStreamSynchronize 2x 0.60 ms" in text and "cudaMemcpyAsync 1x 0.05 ms" in text
     assert "cudaLaunchKernel" not in text.split("host waits")[1].splitlines()[0]
@@ -132,7 +132,7 @@ def test_profile_summary_reports_gpu_idle_time_and_host_waits():
 def test_profile_summary_says_none_when_the_step_never_waits():
     events = [_FakeEvent("gemm", 0, 1000, True), _FakeEvent("cudaLaunchKernel", 0, 5, False)]
     prof = type("P", (), dict(events=lambda self: events))()
-    assert "host waits (CUDA runtime calls that block the CPU): none" in tg.summarize_profile(prof, "fake")
+    assert "host waits (CUDA runtime calls that block the CPU): none" in bench.summarize_profile(prof, "fake")
 
 
 def test_format_table_reports_the_backend_and_host_syncs():
@@ -166,7 +166,7 @@ def test_profile_summary_totals_gpu_time_by_kind_of_kernel():
               _FakeEvent("triton_red_fused__fused_rms_norm_add", 5000, 5500, True),
               _FakeEvent("_softcap_ce_backward_kernel", 5500, 6000, True)]
     prof = type("P", (), dict(events=lambda self: events))()
-    kinds = tg.summarize_profile(prof, "fake").split("GPU time by kind of kernel")[1].split("\n\n")[0]
+    kinds = bench.summarize_profile(prof, "fake").split("GPU time by kind of kernel")[1].split("\n\n")[0]
     assert "3.00      2  cuBLAS/CUTLASS GEMMs" in kinds and "2.00      1  FlashAttention" in kinds
     assert "0.50      1  Inductor's Triton kernels" in kinds and "0.50      1  our Triton kernels" in kinds
     assert kinds.index("cuBLAS") < kinds.index("FlashAttention") < kinds.index("Inductor")
@@ -177,7 +177,7 @@ def test_profile_summary_names_the_operation_of_an_aten_kernel():
     name = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
             "CUDAFunctorOnSelf_add<float> >(at::TensorIteratorBase&, at::native::CUDAFunctorOnSelf_add<float> const&)")
     prof = type("P", (), dict(events=lambda self: [_FakeEvent(name, 0, 1000, True)]))()
-    top = tg.summarize_profile(prof, "fake").split("top kernels by GPU time")[1]
+    top = bench.summarize_profile(prof, "fake").split("top kernels by GPU time")[1]
     assert "elementwise_kernel<128, 4, gpu_kernel_impl_nocast<CUDAFunctorOnSelf_add<float> >" in top
 
 
@@ -219,7 +219,7 @@ def test_profile_timeline_counts_the_communication_no_compute_hides():
     """NCCL busy 1-2 ms (under a GEMM) and 4-6 ms (alone): 3 ms busy, 1 overlapped, 2 exposed; idle 0."""
     kernels = [("gemm", 0.0, 4.0), ("ncclDevKernel_ReduceScatter", 1.0, 2.0), ("ncclDevKernel_AllGather", 4.0, 6.0),
                ("relu", 6.0, 7.0)]
-    t = tg.profile_timeline(kernels)
+    t = bench.profile_timeline(kernels)
     assert t == dict(span_ms=7.0, compute_busy_ms=5.0, communication_busy_ms=3.0, communication_overlapped_ms=1.0,
                      communication_exposed_ms=2.0, idle_ms=0.0)
 

@@ -49,9 +49,8 @@ def train_steps(trainer, graphs, steps_per_stage: int = 1) -> tuple[list, list]:
             previous_long = stage.ws_long
         batches = trainer.new_batches(stage.batch_size)
         for _ in range(steps_per_stage):
-            trainer.accumulate_gradients(step, batches, None, stage.ws_short, stage.ws_long,
-                                         trainer.rt.grad_accum_steps, losses)
-            tg.optimizer_step(step, model, trainer.adam, trainer.muon)
+            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, trainer.rt.grad_accum_steps,
+                               losses)
             step += 1
     return [p.detach().clone() for p in model.parameters()], losses
 

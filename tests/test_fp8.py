@@ -329,35 +329,13 @@ print(json.dumps(out))
 
 
 def test_ce_fast_math_formula_matches_float64_in_the_interpreter():
-    """--ce-fast-math's algebra (sigmoid through tanh, multiplications for divisions) with the interpreter's exact
+    """Fast math's algebra (sigmoid through tanh, multiplications for divisions) with the interpreter's exact
     tanh: the same gradient as the exact kernel to fp32 rounding. (tanh.approx itself runs on GPUs only:
     tests/gpu bounds its effect on the e5m2 bytes.)"""
     rows = run_in_triton_interpreter(CE_FAST_MATH_SCRIPT)
     for row in rows:
         assert row["rel_err"] < 1e-5 and row["max_rel_diff_vs_exact"] < 1e-5, row
         assert row["transposed_equal"] and row["all_written"], row
-
-
-def test_ce_fast_math_is_on_by_default_and_the_flag_reaches_the_fused_kernel(monkeypatch):
-    """--ce-fast-math (default on; false turns it off) -> LMHead -> the fused head's backward op -> the kernel launch (here a recording stand-in)."""
-    seen = []
-
-    def fake_launch(logits, lse, targets, grad, out, out_t, grad_s, round_bf16, fp8, tile=None, fast_math=False):
-        seen.append(fast_math)
-        out.zero_()
-        out_t.zero_()
-    monkeypatch.setattr(tg, "launch_softcap_ce_backward", fake_launch)
-    monkeypatch.setattr(tg, "_kernels_usable", lambda t: True)
-    monkeypatch.setattr(tg, "quantize_e4m3", tg.quantize_e4m3_reference)  # no GPU for the operands' Triton pass
-    default, off = tg.parse_args([]), tg.parse_args(["--ce-fast-math", "false"])
-    x, w, targets = _head_inputs(7)
-    for fast in (default.ce_fast_math, off.ce_fast_math):
-        head = tg.LMHead(D, 256, fp8=True, fused=True, ce_fast_math=fast)
-        with torch.no_grad():
-            head.weight.copy_(w)
-        head.train()
-        head(x, targets).backward()
-    assert seen == [True, False]
 
 
 CE_FORWARD_SCRIPT = CE_CASE + """
@@ -396,42 +374,45 @@ def test_fused_ce_forward_kernel_matches_float64_for_ragged_tiles_and_both_maths
         assert row["op_loss_rel_err"] < 1e-6 and row["op_shapes"] == [[], [row["tokens"]]], row
 
 
-def test_fused_ce_forward_is_on_by_default_and_the_flag_reaches_the_op(monkeypatch):
-    """--fused-ce-forward -> LMHead -> the fused head's forward calls the Triton pass (a recording stand-in that
-    computes softcap_ce_forward), and the loss and gradients equal the traced forward's."""
+def _head_loss_and_grads(fused, x, w, targets):
+    head = tg.LMHead(D, 256, fp8=True, fused=fused)
+    with torch.no_grad():
+        head.weight.copy_(w)
+    head.train()
+    x = x.detach().clone().requires_grad_()
+    loss = head(x, targets)
+    loss.backward()
+    return loss.detach(), x.grad, head.weight.grad
+
+
+def test_fused_head_launches_both_triton_passes_with_fast_math_and_matches_the_unfused_head(monkeypatch):
+    """LMHead's fused path -> its forward and backward ops -> the two kernel launches (recording stand-ins that
+    compute the PyTorch formulas): both with fast math, the backward with CE_BACKWARD_TILE; the loss and gradients
+    equal the unfused head's."""
+    x, w, targets = _head_inputs(8)
+    unfused = _head_loss_and_grads(False, x, w, targets)
     seen = []
 
-    def fake_launch(logits, targets, lse, per_token, fast_math, tile=None):
-        seen.append(fast_math)
+    def fake_forward(logits, targets, lse, per_token, fast_math, tile=None):
+        seen.append(("forward", fast_math))
         _, ref_lse = tg.softcap_ce_forward(logits, targets)
         z_t = 30 * torch.sigmoid(logits.gather(1, targets[:, None]).squeeze(1).float() / 7.5)
         lse.copy_(ref_lse)
         per_token.copy_(ref_lse - z_t)
-    monkeypatch.setattr(tg, "launch_softcap_ce_forward", fake_launch)
-    monkeypatch.setattr(tg, "_kernels_usable", lambda t: t.dtype != torch.uint8)  # the e5m2 transpose stays in torch
-    monkeypatch.setattr(tg, "quantize_e4m3", tg.quantize_e4m3_reference)  # and so does the operands' quantisation
 
-    def reference_backward(logits, lse, targets, grad, out, out_t, grad_s, round_bf16, fp8, tile=None, fast_math=False):
+    def fake_backward(logits, lse, targets, grad, out, out_t, grad_s, round_bf16, fp8, tile=None, fast_math=False):
+        seen.append(("backward", tuple(tile), fast_math))
         g, g_t = tg.softcap_ce_backward_reference(logits, lse, targets, grad, grad_s)
         out.copy_(g.view(torch.uint8))
         out_t.copy_(g_t.view(torch.uint8))
-    monkeypatch.setattr(tg, "launch_softcap_ce_backward", reference_backward)
-    assert tg.parse_args([]).fused_ce_forward is True
-    off = tg.parse_args(["--fused-ce-forward", "false"])
-    x, w, targets = _head_inputs(8)
-    results = []
-    for fused_forward in (off.fused_ce_forward, tg.parse_args([]).fused_ce_forward):
-        head = tg.LMHead(D, 256, fp8=True, fused=True, ce_fast_math=True, fused_ce_forward=fused_forward)
-        with torch.no_grad():
-            head.weight.copy_(w)
-        head.train()
-        xx = x.detach().clone().requires_grad_()
-        loss = head(xx, targets)
-        loss.backward()
-        results.append((loss.detach(), xx.grad, head.weight.grad))
-    assert seen == [True]
-    assert torch.equal(results[0][0], results[1][0])
-    assert torch.equal(results[0][1], results[1][1]) and torch.equal(results[0][2], results[1][2])
+    monkeypatch.setattr(tg, "launch_softcap_ce_forward", fake_forward)
+    monkeypatch.setattr(tg, "launch_softcap_ce_backward", fake_backward)
+    monkeypatch.setattr(tg, "_kernels_usable", lambda t: True)
+    monkeypatch.setattr(tg, "quantize_e4m3", tg.quantize_e4m3_reference)  # no GPU for the operands' Triton pass
+    fused = _head_loss_and_grads(True, x, w, targets)
+    assert seen == [("forward", True), ("backward", tg.CE_BACKWARD_TILE, True)]
+    for a, b in zip(fused, unfused):
+        assert torch.equal(a, b)
 
 
 def test_fused_ce_forward_fake_kernel_reports_the_real_shapes():

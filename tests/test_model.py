@@ -430,11 +430,11 @@ def test_residual_linear_op_computes_the_residual_plus_projection_and_its_gradie
     torch.library.opcheck(torch.ops.speedrun.residual_linear, [t.detach().requires_grad_() for t in inputs])
 
 
-def test_quack_attn_proj_model_matches_the_plain_residual_addition_eager_and_compiled():
-    """The model with its attention output projections through residual_linear (CPU path: one addmm, fp32 sum of
-    the residual and the product, one rounding) against residual + F.linear (rounds the product first): the
-    same loss and gradients up to bf16 rounding, eager and compiled (aot_eager)."""
-    wired = tg.GPT(SMOKE, max_seq_len=128, quack_attn_proj=True)
+def test_residual_linear_model_matches_the_plain_residual_addition_eager_and_compiled():
+    """With quack's MLP kernel the model's attention output projections go through residual_linear (CPU path: one
+    addmm, fp32 sum of the residual and the product, one rounding); against residual + F.linear (rounds the product
+    first): the same loss and gradients up to bf16 rounding, eager and compiled (aot_eager)."""
+    wired = tg.GPT(SMOKE, max_seq_len=128, mlp_kernel="quack")
     assert all(b.attn.fused_residual for b in wired.blocks if b.attn is not None)
     assert not any(b.attn.fused_residual for b in make_model(max_seq_len=128).blocks if b.attn is not None)
     for compiled in (False, True):
@@ -521,10 +521,10 @@ def test_attention_params_are_a_fresh_cpu_tensor_of_scale_and_windows_in_tokens(
 
 
 def test_one_compiled_graph_serves_every_batch_size_window_and_yarn_scale():
-    """With dynamic_seq_len the warm-up's first graph must serve all later stages: a new micro-batch length,
-    new windows and a YaRN-updated scale run under fail_on_recompile and give the eager model's loss/grads."""
+    """A compiled model marks the token dimension dynamic, so the warm-up's first graph must serve all later stages:
+    a new micro-batch length, new windows and a YaRN-updated scale run under fail_on_recompile and give the eager
+    model's loss/grads."""
     eager, compiled = model_pair(seed=11, max_seq_len=512, head_seed=2, attn_fn=_params_dependent_attention)
-    compiled.dynamic_seq_len = True
     compiled.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
     inputs, targets, cu = random_batch(128, seed=12)
     compiled(inputs, targets, cu, 1, 3, 128).backward()  # "warm-up": the only compilation
@@ -542,17 +542,6 @@ def test_one_compiled_graph_serves_every_batch_size_window_and_yarn_scale():
     assert torch.equal(loss_c, loss_e)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.equal(p.grad, q.grad), name
-
-
-def test_without_dynamic_seq_len_a_new_batch_size_needs_a_new_graph():
-    """The control for the test above: static shapes do recompile (so that test can fail)."""
-    m = make_model(seed=11, max_seq_len=512)
-    m.attn_fn = _params_dependent_attention
-    m.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
-    m(*random_batch(128, seed=12), 1, 3, 128)
-    with tg.no_compiles_allowed(True), pytest.raises(RuntimeError, match="recompile"):
-        m(*random_batch(256, seed=13), 1, 3, 128)
-    torch._dynamo.reset()
 
 
 def test_flash_varlen_op_runs_forward_and_backward_on_meta_tensors():
@@ -691,7 +680,7 @@ def test_attention_ops_autograd_wiring_traces_with_their_fakes(backend):
 
 
 # ----------------------------------------------------------------------------------------------------
-# --fused-qk-norm-rope: the q/k norm + rotary pass inside the FA4 op (fa4_qkv)
+# the fa4 backend's q/k norm + rotary pass inside the FA4 op (fa4_qkv)
 # ----------------------------------------------------------------------------------------------------
 
 class _ReferenceFA4WithOutputs(_ReferenceFA4):
@@ -761,19 +750,14 @@ def test_fused_qk_norm_rope_op_fakes_trace_forward_and_backward():
             assert [tuple(g.shape) for g in grads] == [(40, 6, 8)] + ([(40, 2, 8)] if ve is not None else [])
 
 
-def test_fused_qk_norm_rope_is_on_by_default_with_fa4_only(monkeypatch):
-    """The flag is on by default; it takes effect with the fa4 backend only (the Run config line says which)."""
-    args = tg.parse_args([])
-    assert args.fused_qk_norm_rope is True
-    monkeypatch.setattr(tg, "resolve_attention_backend", lambda requested, device: "fa4")
-    monkeypatch.setattr(tg, "resolve_mlp_kernel", lambda requested, device: "inductor")
-    rt = tg.resolve_runtime(tg.parse_args(["--device", "cpu", "--compile", "off"]), env={})
-    assert rt.fused_qk_norm_rope == (tg.triton is not None) and "fused_qk_norm_rope=" in rt.config_line(args)
-    off = tg.resolve_runtime(tg.parse_args(["--device", "cpu", "--compile", "off", "--fused-qk-norm-rope", "false"]),
-                             env={})
-    assert not off.fused_qk_norm_rope
-    monkeypatch.setattr(tg, "resolve_attention_backend", lambda requested, device: "varlen")
-    assert not tg.resolve_runtime(tg.parse_args(["--device", "cpu", "--compile", "off"]), env={}).fused_qk_norm_rope
+def test_the_fa4_backend_attends_through_fa4_qkv_where_triton_is_installed(monkeypatch):
+    """fa4 takes the fused op; without Triton it keeps attention_fa4's unfused lines, and other backends never
+    take it."""
+    fused = tg.attention_fa4_qkv if tg.triton is not None else None
+    assert tg.GPT(SMOKE, max_seq_len=128, attn_backend="fa4").qkv_attn_fn is fused
+    assert tg.GPT(SMOKE, max_seq_len=128, attn_backend="varlen").qkv_attn_fn is None
+    monkeypatch.setattr(tg, "triton", None)
+    assert tg.GPT(SMOKE, max_seq_len=128, attn_backend="fa4").qkv_attn_fn is None
 
 
 QK_NORM_ROPE_SCRIPT = """

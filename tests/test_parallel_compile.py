@@ -71,18 +71,14 @@ def test_compile_jobs_are_the_trunk_parts_the_head_and_on_one_gpu_the_optimizers
 @pytest.mark.parametrize("flag, device, local_world, expected", [
     ("auto", "cuda", "1", 2), ("auto", "cuda", "8", 1), ("on", "cuda", "8", 2), ("off", "cuda", "1", 1),
     ("auto", "cpu", "1", 1)])
-def test_auto_trunk_graphs_split_the_trunk_only_where_compile_workers_run(flag, device, local_world, expected):
+def test_the_trunk_is_split_only_where_compile_workers_run(flag, device, local_world, expected):
     """One graph fuses across blocks (a little faster at stages 2-3): the split is for configurations whose
     helpers compile the parts side by side. On the CPU nothing compiles unless asked."""
     args = tg.parse_args(["--parallel-compile", flag])
     assert tg.resolve_trunk_graphs(args, device, {"LOCAL_WORLD_SIZE": local_world}) == expected
-    assert tg.resolve_trunk_graphs(tg.parse_args(["--parallel-compile", flag, "--trunk-graphs", "3"]), device,
-                                   {"LOCAL_WORLD_SIZE": local_world}) == 3
 
 
-def test_trunk_graphs_outside_1_to_11_are_a_config_error():
-    with pytest.raises(tg.ConfigError, match="--trunk-graphs"):
-        tg.parse_args(["--trunk-graphs", "12"])
+def test_parallel_compile_other_than_auto_on_or_off_is_a_config_error():
     with pytest.raises(tg.ConfigError, match="--parallel-compile"):
         tg.parse_args(["--parallel-compile", "maybe"])
 

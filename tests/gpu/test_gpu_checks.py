@@ -11,12 +11,12 @@
   * attention backends (PyTorch's FA2 varlen kernels behind our op, FA3 / FA4 when installed) vs the plain-PyTorch
     reference, forward and backward; FA2 vs torch's public varlen_attn (same kernels: same bits)
   * FA4 vs FA2 on one stage-3 micro-batch, with both speeds recorded
-  * --fused-qk-norm-rope (q/k norm + rotary inside the FA4 op) vs Inductor's compile of the unfused lines, forward
-    and backward on a stage-3 micro-batch, with both speeds recorded
+  * the fa4 backend's q/k norm + rotary inside the FA4 op (fa4_qkv) vs Inductor's compile of the unfused lines,
+    forward and backward on a stage-3 micro-batch, with both speeds recorded
   * the ReLU² MLP on quack's fused GEMMs (when quack-kernels is installed) vs float32, forward and backward, next to
     Inductor's version of the same two lines
-  * --quack-attn-proj: the output projection plus residual by quack's gemm_add vs cuBLAS's addmm and eager's
-    mm-then-add, all against float64, and the time of each
+  * residual_linear (--mlp-kernel quack): the output projection plus residual by quack's gemm_add vs cuBLAS's
+    addmm and eager's mm-then-add, all against float64, and the time of each
   * the three Triton orthogonalizer kernels vs float32 torch matmuls on the real shapes
   * Polar Express and Turbo-Muon on the real parameter-stack shapes vs the float64 SVD polar factor
 Bounds sit about 1.5-2x above the errors measured on an H100 (bench/results/*_gpu_checks*.json). Times are
@@ -38,8 +38,8 @@ from train_gpt import (  # noqa: E402
     FP8_GRAD_SCALE,
     FP8_W_SCALE,
     FP8_X_SCALE,
+    CE_BACKWARD_TILE,
     ConfigError,
-    Hyperparameters,
     Yarn,
     attention_fa4_qkv,
     attention_reference,
@@ -243,7 +243,7 @@ def test_fused_fp8_head_matches_the_unfused_path(gpu_results):
         logits = lm_head_fp8(x, w)
         lse = softcap_ce_forward(logits, targets)[1]
         grad = torch.tensor(0.125, device="cuda")
-        k, k_t = softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, list(Hyperparameters.ce_backward_tile))
+        k, k_t = softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, list(CE_BACKWARD_TILE))
         ref, _ = softcap_ce_backward_reference(logits, lse, targets, grad, FP8_GRAD_SCALE)
     r = gpu_results["fused_fp8_head"] = dict(
         shape=[T, d, V], loss_rel_diff=abs((out["fused"][0] - out["unfused"][0]) / out["unfused"][0]).item(),
@@ -252,7 +252,7 @@ def test_fused_fp8_head_matches_the_unfused_path(gpu_results):
         g_f8_rel_diff=rel(k.float(), ref.float()),
         g_f8_t_is_transpose=bool(torch.equal(k_t.view(torch.uint8), k.t().contiguous().view(torch.uint8))),
         fwd_bwd_ms_unfused=ms["unfused"], fwd_bwd_ms_fused=ms["fused"])
-    assert r["loss_rel_diff"] < 1e-4, r            # same forward: measured 0.0
+    assert r["loss_rel_diff"] < 1e-4, r            # the fast-math Triton forward: its own check measured 0.0
     assert r["dx_rel_diff"] < 5e-3 and r["dw_rel_diff"] < 5e-3, r  # measured 2.4e-3, 2.3e-3
     assert r["g_f8_bytes_identical_share"] > 0.9999, r  # measured 0.999997 (rounding ties of the fp32 math)
     assert r["g_f8_rel_diff"] < 1e-4, r             # measured 2.8e-6
@@ -260,15 +260,15 @@ def test_fused_fp8_head_matches_the_unfused_path(gpu_results):
 
 
 def test_ce_fast_math_changes_the_e5m2_gradient_less_than_its_rounding(gpu_results):
-    """--ce-fast-math (tanh.approx for the softcap's sigmoid): the e5m2 gradient against the exact formula's. One
-    e5m2 step is 12.5-25 % of a value, so flips at rounding boundaries must stay rare and the difference small."""
+    """The fused head's fast math (tanh.approx for the softcap's sigmoid): the e5m2 gradient against the exact
+    formula's. One e5m2 step is 12.5-25 % of a value, so flips at rounding boundaries must stay rare and the
+    difference small."""
     x, w, targets = head_inputs()
     logits = lm_head_fp8(x, w)
     lse = softcap_ce_forward(logits, targets)[1]
     grad = torch.tensor(0.125, device="cuda")
     ref, _ = softcap_ce_backward_reference(logits, lse, targets, grad, FP8_GRAD_SCALE)
-    k, k_t = softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, list(Hyperparameters.ce_backward_tile),
-                                 True)
+    k, k_t = softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE, list(CE_BACKWARD_TILE), True)
     r = gpu_results["ce_fast_math"] = dict(
         g_f8_bytes_identical_share=(k.view(torch.uint8) == ref.view(torch.uint8)).double().mean().item(),
         g_f8_rel_diff=rel(k.float(), ref.float()),
@@ -280,7 +280,7 @@ def test_ce_fast_math_changes_the_e5m2_gradient_less_than_its_rounding(gpu_resul
 
 @pytest.mark.parametrize("fast", [False, True])
 def test_fused_ce_forward_matches_inductors_forward(fast, gpu_results):
-    """--fused-fp8-head's forward pass (--fused-ce-forward) against the traced softcap_ce_forward that Inductor
+    """--fused-fp8-head's forward pass (the Triton log-sum-exp) against the traced softcap_ce_forward that Inductor
     compiles: exact math agrees to fp32 summation order; tanh.approx moves a softcapped logit by at most
     30 x 2^-12, so the log-sum-exp by less than 1e-2."""
     x, w, targets = head_inputs()
@@ -343,9 +343,10 @@ def test_quack_relu2_mlp_matches_float32_like_inductor(tokens, gpu_results):
 
 
 def test_residual_linear_matches_addmm_and_times_both(gpu_results):
-    """--quack-attn-proj: residual + y Woᵀ by quack's gemm_add against the addmm Inductor makes of it (ATen copies the
-    residual into the output, cuBLAS adds it back) and against eager PyTorch's residual + y @ Woᵀ (the product
-    rounded to bf16 before the addition), all against float64, on a stage-3 micro-batch, with times."""
+    """residual_linear (--mlp-kernel quack): residual + y Woᵀ by quack's gemm_add against the addmm Inductor makes
+    of it (ATen copies the residual into the output, cuBLAS adds it back) and against eager PyTorch's residual +
+    y @ Woᵀ (the product rounded to bf16 before the addition), all against float64, on a stage-3 micro-batch, with
+    times."""
     require_quack(gpu_results, "residual_linear")
     torch.manual_seed(0)
     T, d = 49152, 768
@@ -432,9 +433,9 @@ def test_fa4_matches_fa2_on_a_stage3_micro_batch(window, gpu_results):
 
 @pytest.mark.parametrize("with_ve", [False, True])
 def test_fused_qk_norm_rope_matches_inductors_unfused_attention(with_ve, gpu_results):
-    """--fused-qk-norm-rope on one stage-3 micro-batch (49,152 tokens, YaRN-stretched tables): out and the qkv (and
-    value-embedding) gradients against the lines it replaces compiled by Inductor (the same FA4 kernels), and the
-    forward+backward time of each (recorded as qk_norm_rope_<ve|no_ve>)."""
+    """fa4_qkv (the fa4 backend's fused q/k norm + rotary) on one stage-3 micro-batch (49,152 tokens, YaRN-stretched
+    tables): out and the qkv (and value-embedding) gradients against the lines it replaces compiled by Inductor (the
+    same FA4 kernels), and the forward+backward time of each (recorded as qk_norm_rope_<ve|no_ve>)."""
     fa4 = attention_backend("fa4", gpu_results)
     T, H, D = 49152, 6, 128
     lengths = document_lengths(T, np.random.default_rng(0), median=600, max_len=2048)
