@@ -20,7 +20,7 @@ On any machine, GPU or not:
                                   or where that is unreachable, the CPU build pip finds elsewhere (never a CUDA
                                   build: exit 2 if there is none). TORCH_CPU_SPEC / TORCH_CPU_INDEX skip all that
                                   and set the torch requirement and its index (TORCH_CPU_INDEX= : pip's default)
-  ./run.sh test [PYTEST_ARGS...]  the test suite on the CPU (python -m pytest -q tests); needs no GPU and
+  ./run.sh test [PYTEST_ARGS...]  the test suite on the CPU, a worker per core (pytest -n auto; -n 0: one); no GPU,
                                   no network, only `./run.sh setup-cpu` (or requirements-dev.txt) first
   ./run.sh proxy [CORPUS_DIR]     build data/proxy/ shards from CORPUS_DIR/{train,val}.jsonl.xz (offline;
                                   default ../shared/corpus); train on them with --data-path data/proxy,
@@ -255,12 +255,14 @@ setup_cpu() {
 run_tests() {
     # find_spec only looks the packages up (no torch import), so this check costs milliseconds.
     local missing
-    missing=$("$PY" -c 'import importlib.util as u; print(" ".join(m for m in ("pytest", "torch", "triton", "numpy", "tiktoken") if u.find_spec(m) is None))') \
+    missing=$("$PY" -c 'import importlib.util as u; print(" ".join(m for m in ("pytest", "xdist", "torch", "triton", "numpy", "tiktoken") if u.find_spec(m) is None))') \
         || die 2 "cannot run $PY; set PYTHON=/path/to/python"
     if [ -n "$missing" ]; then
         die 2 "the test environment is not set up ($missing not installed for $PY); run ./run.sh setup-cpu first (CPU torch + requirements-dev.txt), or $PY -m pip install -r requirements-dev.txt where torch is already installed"
     fi
-    exec "$PY" -m pytest -q tests "$@"
+    # One worker per core (pytest-xdist), each test file on one worker: a file's module-scoped fixtures (the smoke
+    # run) then run once, and the two cores of a small machine halve the suite's time.
+    exec "$PY" -m pytest -q -n auto --dist loadfile tests "$@"
 }
 
 proxy() {

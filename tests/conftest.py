@@ -9,6 +9,10 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(REPO / "data" / "tiktoken_cache"
 
 from processes import STARTED_GROUPS, group_members, kill_group  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `./run.sh test` runs a worker per core: one thread each, not one per core
+    import torch
+    torch.set_num_threads(1)
+
 
 def pytest_sessionfinish(session, exitstatus):
     """Nothing a test started may outlive the suite: a survivor is killed, and the run fails, naming it."""

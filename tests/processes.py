@@ -10,6 +10,7 @@ Every group started is remembered, so that the suite can check at its end that n
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 STARTED_GROUPS = set()
@@ -29,11 +30,16 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def kill_group(pgid: int) -> None:
+def kill_group(pgid: int, wait_s: float = 10.0) -> None:
+    """SIGKILL every process of the group, and wait (up to wait_s) until none is alive: a killed process lives on
+    for a moment, and the caller's next look should not find it."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    deadline = time.monotonic() + wait_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def run_group(cmd, timeout: float, capture_output: bool = True, text: bool = True, **kwargs):

@@ -462,7 +462,7 @@ def test_setup_cpu_stops_when_pip_fails(box):
 def test_test_command_runs_pytest_on_tests(box):
     r = box.run("test", "-k", "schedules", "-x")
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [["-m", "pytest", "-q", "tests", "-k", "schedules", "-x"]]
+    assert box.commands() == [["-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile", "tests", "-k", "schedules", "-x"]]
 
 
 def test_test_command_without_pytest_says_how_to_set_up(box):
@@ -526,7 +526,7 @@ def test_requirements_files_split():
             "matplotlib"} <= set(runtime)
     assert "pytest" not in runtime and "flash-attn-4" not in runtime and "quack-kernels" not in runtime
     dev = (REPO / "requirements-dev.txt").read_text().splitlines()
-    assert "-r requirements.txt" in dev and requirement_names("requirements-dev.txt") == ["pytest"]
+    assert "-r requirements.txt" in dev and requirement_names("requirements-dev.txt") == ["pytest", "pytest-xdist"]
     assert {"flash-attn-4", "quack-kernels"} <= set(requirement_names("requirements-gpu.txt"))
 
 
@@ -543,7 +543,7 @@ def test_ci_script_with_stubs(box):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.rstrip().endswith("CI: ok")
     assert box.commands() == [dry_run(), dry_run("--no-index"), pip_install("--disable-pip-version-check", LOCAL_WHEEL),
-                              DEV_REQS, ["-m", "pytest", "-q", "tests"]]
+                              DEV_REQS, ["-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile", "tests"]]
 
 
 @pytest.mark.parametrize("out, rc, expect", [("2 passed, 1 failed in 3s", "1", "test suite failed (exit 1)"),

@@ -155,7 +155,7 @@ def test_get_muon_momentum_full_schedule(step, m):
 def test_smoke_preset_schedule():
     s = tg.Hyperparameters(**tg.SMOKE_PRESET)
     assert s.num_iterations == 33
-    assert [tg.get_bs(k, s) for k in (0, 9, 10, 19, 20, 29, 30, 32)] == [1024] * 2 + [2048] * 2 + [3072] * 4
+    assert [tg.get_bs(k, s) for k in (0, 9, 10, 19, 20, 29, 30, 32)] == [512] * 2 + [1024] * 2 + [1536] * 4
     assert [tg.get_ws(k, s) for k in (0, 10, 20, 30)] == [(1, 3), (3, 7), (5, 11), (6, 13)]
 
 

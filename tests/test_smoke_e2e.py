@@ -41,7 +41,7 @@ def smoke_run(tmp_path_factory):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
            "--smoke", "--device", "cpu", "--data-path", str(tmp / "data"), "--log-dir", str(tmp / "logs")]
-    r = run_group(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
+    r = run_group(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     logs = sorted((tmp / "logs").glob("*.txt")) if (tmp / "logs").is_dir() else []
     return dict(proc=r, tmp=tmp, logs=logs, log=logs[0].read_text() if logs else "")
 
