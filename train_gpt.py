@@ -1563,11 +1563,36 @@ def normuon_reduce_dim(label: str, shape) -> int:
     return -2
 
 
+def normuon_groups(params, world_size: int, custom_sizing: bool = True) -> list:
+    """[(name, params)]: the record's 8-GPU sizing [1, 10, 16, 16], or one group per (label, shape, dtype)."""
+    labels = [getattr(p, "label", None) for p in params]
+    counts = {}
+    for lab in labels:
+        counts[lab] = counts.get(lab, 0) + 1
+    if world_size == 8 and custom_sizing and counts == NORMUON_RECORD_COUNTS:
+        ordered = sorted(params, key=lambda p: NORMUON_LABEL_ORDER.index(p.label))  # stable
+        groups, start = [], 0
+        for name, size in zip(("smear_gate", "attn_gate", "attn+mlp", "mlp"), NORMUON_RECORD_GROUP_SIZES):
+            groups.append((name, ordered[start:start + size]))
+            start += size
+        return groups
+    keyed = {}
+    for p, lab in zip(params, labels):
+        keyed.setdefault((lab, tuple(p.shape), p.dtype), []).append(p)
+    names = [lab if lab is not None else "unlabeled" for (lab, _, _) in keyed]
+    out = []
+    for (key, ps), name in zip(keyed.items(), names):
+        if names.count(name) > 1:  # same label with several shapes/dtypes: disambiguate the name
+            name = f"{name}:{'x'.join(map(str, key[1]))}:{str(key[2]).replace('torch.', '')}"
+        out.append((name, ps))
+    return out
+
+
 class NorMuon(torch.optim.Optimizer):
     """Muon with Polar Express orthogonalization, NorMuon row normalisation and cautious weight decay, as in the
     December 2025 record.
 
-    Params are grouped (see `_make_groups`) and every group is split into W contiguous chunks of
+    Params are grouped (normuon_groups) and every group is split into W contiguous chunks of
     ceil(size/W) params; rank r updates only its chunk. step(): reduce-scatter(AVG) the stacked grads of every
     group, update the local shard, all-gather the updated params. Without a process group it runs locally.
 
@@ -1589,9 +1614,8 @@ class NorMuon(torch.optim.Optimizer):
                 raise ValueError(f"NorMuon needs 2-D params, got shape {tuple(p.shape)} (label {getattr(p, 'label', None)!r})")
         self.world_size, self.rank = _dist_world()
         self.turbo = orthogonalizer == "turbo"
-        self.custom_sizing = custom_sizing
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2)
-        groups = [dict(params=ps, label=name) for name, ps in self._make_groups(params)]
+        groups = [dict(params=ps, label=name) for name, ps in normuon_groups(params, self.world_size, custom_sizing)]
         super().__init__(groups, defaults)
         self._orthogonalize_fn = polar_express
         self._second_moment_fn = normuon_second_moment
@@ -1617,30 +1641,6 @@ class NorMuon(torch.optim.Optimizer):
             local_label = next(iter(local_labels)) if len(local_labels) == 1 else None
             self._layout.append(dict(size=size, chunk=chunk, lo=lo, hi=hi, is_attn=is_attn,
                                      reduce_dim=normuon_reduce_dim(local_label, shape)))
-
-    def _make_groups(self, params):
-        """[(name, params)]: the record's 8-GPU sizing [1, 10, 16, 16], or one group per (label, shape, dtype)."""
-        labels = [getattr(p, "label", None) for p in params]
-        counts = {}
-        for lab in labels:
-            counts[lab] = counts.get(lab, 0) + 1
-        if self.world_size == 8 and self.custom_sizing and counts == NORMUON_RECORD_COUNTS:
-            ordered = sorted(params, key=lambda p: NORMUON_LABEL_ORDER.index(p.label))  # stable
-            groups, start = [], 0
-            for name, size in zip(("smear_gate", "attn_gate", "attn+mlp", "mlp"), NORMUON_RECORD_GROUP_SIZES):
-                groups.append((name, ordered[start:start + size]))
-                start += size
-            return groups
-        keyed = {}
-        for p, lab in zip(params, labels):
-            keyed.setdefault((lab, tuple(p.shape), p.dtype), []).append(p)
-        names = [lab if lab is not None else "unlabeled" for (lab, _, _) in keyed]
-        out = []
-        for (key, ps), name in zip(keyed.items(), names):
-            if names.count(name) > 1:  # same label with several shapes/dtypes: disambiguate the name
-                name = f"{name}:{'x'.join(map(str, key[1]))}:{str(key[2]).replace('torch.', '')}"
-            out.append((name, ps))
-        return out
 
     def compile_helpers(self, enabled: bool = True):
         """Route the per-shard math through torch.compile(dynamic=False) (CUDA); compilation happens on first use."""

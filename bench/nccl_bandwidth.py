@@ -36,16 +36,8 @@ def step_collectives(world: int) -> list:
     for p in model.parameters():
         by_label.setdefault(p.label, []).append(p)
     out = []
-    counts = {label: len(ps) for label, ps in by_label.items() if label in tg.NORMUON_LABEL_ORDER}
-    if world == 8 and counts == tg.NORMUON_RECORD_COUNTS:  # the record's grouping (NorMuon._make_groups)
-        ordered = [p for label in tg.NORMUON_LABEL_ORDER for p in by_label[label]]
-        groups, start = [], 0
-        for name, size in zip(("smear_gate", "attn_gate", "attn+mlp", "mlp"), tg.NORMUON_RECORD_GROUP_SIZES):
-            groups.append((name, ordered[start:start + size]))
-            start += size
-    else:  # one group per label (the shapes within a label agree in this model)
-        groups = [(label, by_label[label]) for label in tg.NORMUON_LABEL_ORDER]
-    for name, ps in groups:
+    normuon = [p for p in model.parameters() if p.label in tg.NORMUON_LABEL_ORDER]
+    for name, ps in tg.normuon_groups(normuon, world):
         chunk = math.ceil(len(ps) / world)
         nbytes = chunk * world * ps[0].numel() * ps[0].element_size()
         for op in ("reduce_scatter", "all_gather"):
