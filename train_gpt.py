@@ -3118,7 +3118,8 @@ class Trainer:
                     current_long = ws_long
                 if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
                     synchronize(self.rt.device)
-                    training_time_ms += 1000 * (time.perf_counter() - t0)
+                    if step > 0:  # before step 0 nothing has trained: a slow log write is not training time
+                        training_time_ms += 1000 * (time.perf_counter() - t0)
                     eval_long = a.ws_validate_post_yarn_ext if last else ws_long  # no YaRN update for the final one
                     val_loss = self.evaluate(ws_short, eval_long)
                     log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
