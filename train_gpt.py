@@ -3,20 +3,17 @@
 One file, read top to bottom, one concept per section:
     config          Hyperparameters (the December 2025 record's values as defaults) and the command line
     lm_head         FP8 matmul, softcapped cross-entropy, its fused Triton forward and backward, the LMHead module
-    attention       backends: FlashAttention-3 / -4, PyTorch's FlashAttention-2 varlen kernels, a reference;
-                    FlashAttention-4 with the q/k norm and rotary fused in (one Triton pass); FA4's launches
-                    recorded once per shape and replayed without its Python interface
+    attention       backends: FlashAttention-4 with the q/k norm and rotary fused in (one Triton pass),
+                    PyTorch's FlashAttention-2 varlen kernels, a reference
     orthogonalizers Polar Express and Turbo-Muon with their symmetric Triton kernels
     NorMuon         sharded (reduce-scatter -> update -> all-gather) Muon with row normalisation
     DistAdam        ZeRO-1 Adam for embeddings, lm_head and scalars
     model           GPT with value embeddings, smear gate, sparse attention gates, YaRN rotary
     data            shard reader, BOS-aligned batching, async shard preloading
     schedules       the stage table (batch size, windows), learning rate, Muon momentum
-    training loop   untimed kernel warm-up (and the passes that compile one compile job), timed training,
-                    validation, logging
-    diagnostics     recompile guard, compile-cache counters, replica check
-    main()          settings -> runtime -> trainer -> run; the portable compile-cache bundle; compile workers
-                    (helper processes compiling the trunk's graphs, the head and the optimizers side by side)
+    training loop   CUDA graphs of the micro-batches, untimed kernel warm-up, timed training, validation, logging
+    diagnostics     recompile guard, compile-cache counters, replica check, bf16 GEMMs on CPUs without them
+    main()          settings -> runtime -> trainer -> run; the portable compile-cache bundle
 
 Launch:  torchrun --standalone --nproc_per_node=8 train_gpt.py   (1, 2, 4 or 8 GPUs; same global batch)
 CPU:     torchrun --standalone --nproc_per_node=2 train_gpt.py --smoke --data-path data/proxy
@@ -130,9 +127,9 @@ class Hyperparameters:
     seed: int = setting(-1, "torch seed for the initialisation; -1: unseeded, like the record")
     device: str = setting("auto", "where to train; auto: CUDA when visible, else the CPU for --smoke and an error "
                                   "otherwise", ("auto", "cuda", "cpu"))
-    attn_backend: str = setting("auto", "attention kernels; auto: fa3 (kernels hub), then fa4, then PyTorch's "
-                                        "FA2 varlen, then the reference (CPU)",
-                                ("auto", "fa3", "fa4", "varlen", "reference"))
+    attn_backend: str = setting("auto", "attention kernels; auto: FlashAttention-4 (pip install flash-attn-4; "
+                                        "Hopper/Blackwell), then PyTorch's FA2 varlen (the record's arithmetic), "
+                                        "then the reference (CPU)", ("auto", "fa4", "varlen", "reference"))
     compile: str = setting("auto", "torch.compile the model and optimizer helpers; auto: on for CUDA",
                            ("auto", "on", "off"))
     fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA", ("auto", "on", "off"))
@@ -146,13 +143,6 @@ class Hyperparameters:
                                        "reduce-scatters) as one CUDA graph, captured in the warm-up; auto: on with "
                                        "CUDA and torch.compile; off: the eager path, for debugging and A/B timing",
                                ("auto", "on", "off"))
-    parallel_compile: str = setting("auto", "at start-up, helper processes compile the trunk's graphs (the trunk "
-                                            "is then split in two; one graph otherwise, a little faster at stages "
-                                            "2-3), the head and (one GPU) the optimizers' helpers side by side; the "
-                                            "warm-up loads them from Inductor's cache; auto: on with one training "
-                                            "process per node; skipped when the caches already hold this script's "
-                                            "graphs",
-                                    ("auto", "on", "off"))
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
                                      "with this torch/triton/GPU, written after the warm-up when not; empty: off")
     log_dir: str = setting("logs", "folder for <run-id>.txt")
@@ -248,16 +238,14 @@ def validate_args(args: Hyperparameters):
         if not cond:
             raise ConfigError(msg)
     need(args.orthogonalizer in ("polar", "turbo"), f"--orthogonalizer must be polar or turbo, got {args.orthogonalizer!r}")
-    need(args.attn_backend in ("auto", "fa3", "fa4", "varlen", "reference"),
-         f"--attn-backend must be auto, fa3, fa4, varlen or reference, got {args.attn_backend!r}")
+    need(args.attn_backend in ("auto", "fa4", "varlen", "reference"),
+         f"--attn-backend must be auto, fa4, varlen or reference, got {args.attn_backend!r}")
     need(args.device in ("auto", "cuda", "cpu"), f"--device must be auto, cuda or cpu, got {args.device!r}")
     need(args.compile in ("auto", "on", "off"), f"--compile must be auto, on or off, got {args.compile!r}")
     need(args.model_dim == args.num_heads * args.head_dim,
          f"--model-dim ({args.model_dim}) must equal --num-heads x --head-dim ({args.num_heads}x{args.head_dim})")
     need(args.head_dim % 4 == 0, "--head-dim must be a multiple of 4 (half-truncated rotary)")
     need(args.num_layers == 12, "the layer map (skips, value embeddings, backout) is defined for --num-layers 12 only")
-    need(args.parallel_compile in ("auto", "on", "off"),
-         f"--parallel-compile must be auto, on or off, got {args.parallel_compile!r}")
     need(len(args.train_bs_schedule) == len(args.ws_schedule) == len(args.lr_plateaus) == len(args.lr_plateau_starts),
          "--train-bs-schedule, --ws-schedule, --lr-plateaus and --lr-plateau-starts need one entry per stage")
     stages = len(args.train_bs_schedule)
@@ -748,16 +736,14 @@ class LMHead(nn.Module):
 # document starts, and each query sees at most `window` earlier tokens of its own document.
 #
 # Every backend has the signature attn_fn(q, k, v, cu_seqlens, max_seqlen, params, which): `params` holds the
-# softmax scale and the windows of the step, `which` picks the short (0) or long (1) window. For the varlen and
-# reference backends params is a CPU float64 tensor [[scale, short_window], [scale, long_window]] (tokens): the
-# compiled graphs see it as data, so one graph serves every window stage and every YaRN scale (with Python
-# numbers each (window, scale) pair would be a new graph: 4 train + 5 eval compilations instead of 1 + 1).
-# The FA3 (kernels hub) backend takes Python numbers, a tuple of tuples, and so compiles one graph per pair.
+# softmax scale and the windows of the step, `which` picks the short (0) or long (1) window. params is a CPU float64
+# tensor [[scale, short_window], [scale, long_window]] (tokens): the compiled graphs see it as data, so one graph
+# serves every window stage and every YaRN scale (with Python numbers each (window, scale) pair would be a new
+# graph: 4 train + 5 eval compilations instead of 1 + 1).
 
-def attention_scalars(params, which: int) -> tuple:
-    """(scale, window) as Python numbers from either form of `params`."""
-    row = params[which]
-    scale, window = (row.tolist() if isinstance(row, Tensor) else row)
+def attention_scalars(params: Tensor, which: int) -> tuple:
+    """(scale, window) of the short (0) or long (1) window as Python numbers."""
+    scale, window = params[which].tolist()
     return float(scale), int(window)
 
 
@@ -839,20 +825,6 @@ register_attention_autograd(flash_varlen, torch.ops.speedrun.flash_varlen_backwa
 
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, params, which):
     return torch.ops.speedrun.flash_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
-
-
-@functools.cache
-def fa3_interface():
-    """FlashAttention-3's Hopper kernels from the `kernels` hub (the record's attention; needs network once)."""
-    from kernels import get_kernel
-    return get_kernel("varunneal/flash-attention-3").flash_attn_interface
-
-
-def attention_fa3(q, k, v, cu_seqlens, max_seqlen, params, which):
-    scale, window = attention_scalars(params, which)
-    return fa3_interface().flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, causal=True,
-                                                  softmax_scale=scale, window_size=(window, 0))
 
 
 # FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels) behind the same
@@ -1119,9 +1091,7 @@ def attention_fa4_qkv(qkv, ve, yarn, cu_seqlens, max_seqlen, params, which):
     return torch.ops.speedrun.fa4_qkv(qkv, ve, yarn.cos, yarn.sin, cu_seqlens, max_seqlen, params, which)[0]
 
 
-ATTENTION_BACKENDS = {"fa3": attention_fa3, "fa4": attention_fa4, "varlen": attention_varlen,
-                      "reference": attention_reference}
-ATTENTION_STATIC_PARAMS = ("fa3",)  # backends that need Python numbers (one compiled graph per window pair)
+ATTENTION_BACKENDS = {"fa4": attention_fa4, "varlen": attention_varlen, "reference": attention_reference}
 
 
 def varlen_available() -> bool:
@@ -1141,23 +1111,20 @@ def fa4_on_this_gpu():
 
 
 def resolve_attention_backend(requested: str, device_type: str) -> str:
-    """auto: FA3 from the `kernels` hub when installed and reachable (the record's choice), then FlashAttention-4
-    from PyPI when installed on a Hopper or Blackwell GPU, then PyTorch's FA2 varlen kernels, then the reference.
-    An explicit request that cannot work is an error."""
+    """auto: FlashAttention-4 from PyPI when installed on a Hopper or Blackwell GPU, then PyTorch's FA2 varlen
+    kernels, then the reference. An explicit request that cannot work is an error."""
     if device_type != "cuda":
         if requested not in ("auto", "reference"):
             raise ConfigError(f"--attn-backend {requested} needs a CUDA GPU; use --attn-backend reference on the CPU")
         return "reference"
-    for name, load, install in (("fa3", fa3_interface, "pip install kernels (needs network)"),
-                                ("fa4", fa4_on_this_gpu, "pip install flash-attn-4 (Hopper or Blackwell)")):
-        if requested in ("auto", name):
-            try:
-                load()
-                return name
-            except Exception as e:
-                if requested == name:
-                    raise ConfigError(f"--attn-backend {name} unavailable ({type(e).__name__}: {e}); {install} "
-                                      "or use --attn-backend varlen") from None
+    if requested in ("auto", "fa4"):
+        try:
+            fa4_on_this_gpu()
+            return "fa4"
+        except Exception as e:
+            if requested == "fa4":
+                raise ConfigError(f"--attn-backend fa4 unavailable ({type(e).__name__}: {e}); pip install "
+                                  "flash-attn-4 (Hopper or Blackwell) or use --attn-backend varlen") from None
     if requested in ("auto", "varlen"):
         if varlen_available():
             return "varlen"
@@ -1563,13 +1530,13 @@ def normuon_reduce_dim(label: str, shape) -> int:
     return -2
 
 
-def normuon_groups(params, world_size: int, custom_sizing: bool = True) -> list:
+def normuon_groups(params, world_size: int) -> list:
     """[(name, params)]: the record's 8-GPU sizing [1, 10, 16, 16], or one group per (label, shape, dtype)."""
     labels = [getattr(p, "label", None) for p in params]
     counts = {}
     for lab in labels:
         counts[lab] = counts.get(lab, 0) + 1
-    if world_size == 8 and custom_sizing and counts == NORMUON_RECORD_COUNTS:
+    if world_size == 8 and counts == NORMUON_RECORD_COUNTS:
         ordered = sorted(params, key=lambda p: NORMUON_LABEL_ORDER.index(p.label))  # stable
         groups, start = [], 0
         for name, size in zip(("smear_gate", "attn_gate", "attn+mlp", "mlp"), NORMUON_RECORD_GROUP_SIZES):
@@ -1602,8 +1569,7 @@ class NorMuon(torch.optim.Optimizer):
     They disappear with load_state_dict of a state saved before the first step and are re-created as zeros.
     """
 
-    def __init__(self, params, lr=0.023, weight_decay=1.2, momentum=0.95, beta2=0.95, custom_sizing=True,
-                 orthogonalizer="polar"):
+    def __init__(self, params, lr=0.023, weight_decay=1.2, momentum=0.95, beta2=0.95, orthogonalizer="polar"):
         if orthogonalizer not in ("polar", "turbo"):
             raise ValueError(f"orthogonalizer must be 'polar' or 'turbo', got {orthogonalizer!r}")
         params = [p for p in params]
@@ -1615,7 +1581,7 @@ class NorMuon(torch.optim.Optimizer):
         self.world_size, self.rank = _dist_world()
         self.turbo = orthogonalizer == "turbo"
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2)
-        groups = [dict(params=ps, label=name) for name, ps in normuon_groups(params, self.world_size, custom_sizing)]
+        groups = [dict(params=ps, label=name) for name, ps in normuon_groups(params, self.world_size)]
         super().__init__(groups, defaults)
         self._orthogonalize_fn = polar_express
         self._second_moment_fn = normuon_second_moment
@@ -1693,18 +1659,14 @@ class NorMuon(torch.optim.Optimizer):
             self._cautious_update_fn(p, v[i], group["lr_eff"][i], group["wd_eff"][i])
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self):
         W = self.world_size
         if W == 1:  # no process group (or a group of one): no collectives
             for group, layout in zip(self.param_groups, self._layout):
                 ps = group["params"]
                 grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in ps])
                 self._update_shard(group, layout, grads)
-            return loss
+            return
         # (1) launch every group's reduce-scatter, gate groups first
         scatters = []
         for group, layout in zip(self.param_groups, self._layout):
@@ -1738,7 +1700,6 @@ class NorMuon(torch.optim.Optimizer):
             work.wait()
             for i, p in enumerate(group["params"]):
                 p.copy_(full[i])
-        return loss
 
 
 # =====================================================================================
@@ -1831,11 +1792,7 @@ class DistAdam(torch.optim.Optimizer):
         self._pending.update(dict.fromkeys(params))
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self):
         distributed = self.world_size > 1
         gathers = []
         for group in self.param_groups:
@@ -1871,7 +1828,6 @@ class DistAdam(torch.optim.Optimizer):
         for work in gathers:
             work.wait()
         self._pending.clear()
-        return loss
 
 
 # =====================================================================================
@@ -1912,11 +1868,8 @@ class Yarn(nn.Module):
             self.cos.copy_(theta.cos())
             self.sin.copy_(theta.sin())
 
-    def apply(self, old_window, new_window=None, alpha: float = 1.0, beta: float = 32.0):
-        """Stretch the slow frequencies by old/new window (fast ones kept) and raise the softmax scale.
-        (Called with one function it still acts as nn.Module.apply.)"""
-        if callable(old_window) and new_window is None:
-            return super().apply(old_window)
+    def stretch(self, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0):
+        """Stretch the slow frequencies by old/new window (fast ones kept) and raise the softmax scale."""
         turns = 128 * old_window * self.freqs / (2 * math.pi)
         gamma = ((turns - alpha) / (beta - alpha)).clamp(0, 1)
         ratio = old_window / new_window
@@ -2144,11 +2097,10 @@ class GPT(nn.Module):
     NUM_SCALARS = 62               # 12 skip weights, 12x2 block lambdas, 12x2 SA lambdas, smear, backout
 
     def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1, attn_backend: str = "reference",
-                 fp8: bool = False, mlp_kernel: str = "inductor", trunk_graphs: int = 1):
+                 fp8: bool = False, mlp_kernel: str = "inductor"):
         """max_seq_len: longest packed micro-batch (rotary tables); world_size: pads the scalars for DistAdam;
-        attn_backend: a key of ATTENTION_BACKENDS (fa4 attends through fa4_qkv where Triton is installed); fp8: FP8
-        lm_head in training; mlp_kernel: one of MLP_KERNELS (quack: the attention output projections through
-        residual_linear too); trunk_graphs: compiled graphs the trunk is split into (GPT.trunk_part)."""
+        attn_backend: a key of ATTENTION_BACKENDS (fa4 attends through fa4_qkv); fp8: FP8 lm_head in training;
+        mlp_kernel: one of MLP_KERNELS (quack: the attention output projections through residual_linear too)."""
         super().__init__()
         d, L = args.model_dim, args.num_layers
         self.vocab_size = next_multiple_of(args.vocab_size, 128)
@@ -2178,77 +2130,50 @@ class GPT(nn.Module):
         tag(self.scalars, "scalars", 5.0)
         self.attn_fn = ATTENTION_BACKENDS[attn_backend]
         self.qkv_attn_fn = attention_fa4_qkv if attn_backend == "fa4" and triton is not None else None
-        self.static_attention_params = attn_backend in ATTENTION_STATIC_PARAMS
-        self.trunk_bounds = trunk_bounds(L, trunk_graphs)
-        self._trunk = self._head = None  # compiled regions, set by compile_regions()
-        self.compiled_jobs = None  # None: every compiled region runs compiled; a set: only these jobs (the rest eager)
+        self._trunk, self._head = self.trunk, self.head  # compiled by compile_regions()
 
     def compile_regions(self, **options):
-        """torch.compile the trunk's parts and the head (same options as one whole-model compile). The head's
-        backward graph finishes first, so lm_head's gradient hook (DistAdam's biggest reduce-scatter) fires while
-        the trunk's backward is still computing. The trunk's parts (one code object, one graph per layer range)
-        are separate compile jobs that helper processes can compile side by side (CompileWorkers)."""
-        self._trunk = torch.compile(self.trunk_part, **options)
+        """torch.compile the trunk and the head as two regions (same options as one whole-model compile): the
+        head's backward graph finishes first, so lm_head's gradient hook (DistAdam's biggest reduce-scatter) fires
+        while the trunk's backward is still computing."""
+        self._trunk = torch.compile(self.trunk, **options)
         self._head = torch.compile(self.head, **options)
 
-    def compiled(self, job: str, compiled_fn, eager_fn):
-        """The compiled region of `job`, unless compilation is off or limited to other jobs (compile workers)."""
-        if compiled_fn is None or (self.compiled_jobs is not None and job not in self.compiled_jobs):
-            return eager_fn
-        return compiled_fn
-
     def forward(self, input_seq: Tensor, target_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
-                max_seqlen: int, trunk_parts: int = None) -> Tensor:
-        """The loss (summed over tokens in training, the mean in eval). trunk_parts: run only that many parts of
-        the trunk and return their carry (the compile workers' validation pass)."""
+                max_seqlen: int) -> Tensor:
+        """The loss (summed over tokens in training, the mean in eval)."""
         attn_params = self.attention_params(ws_short, ws_long)
-        dynamic = self._trunk is not None  # compiled: one graph for every micro-batch length (and cu_seqlens length)
-        if dynamic:
+        compiled = self._trunk is not self.trunk
+        if compiled:  # one graph for every micro-batch length (and cu_seqlens length)
             for t in (input_seq, target_seq, cu_seqlens):
                 torch._dynamo.mark_dynamic(t, 0)
-        carry = None
-        for k, (first, last) in enumerate(self.trunk_bounds[:trunk_parts]):
-            if dynamic and carry is not None:
-                for t in pytree_tensors(carry):
-                    torch._dynamo.mark_dynamic(t, 0)
-            part = self.compiled(f"trunk{k}", self._trunk, self.trunk_part)
-            carry = part(first, last, input_seq, carry, cu_seqlens, attn_params, max_seqlen)
-        if trunk_parts is not None:
-            return carry
-        x = carry
-        if dynamic:
+        x = self._trunk(input_seq, cu_seqlens, attn_params, max_seqlen)
+        if compiled:
             torch._dynamo.mark_dynamic(x, 0)
-        return self.compiled("head", self._head, self.head)(x, target_seq)
+        return self._head(x, target_seq)
 
-    def attention_params(self, ws_short: int, ws_long: int):
+    def attention_params(self, ws_short: int, ws_long: int) -> Tensor:
         """Softmax scale and (short, long) windows in tokens, rows [scale, window]: a fresh CPU tensor per call
-        (data to the compiled graph, saved as is for the backward), or Python numbers for a static backend."""
+        (data to the compiled graph, saved as is for the backward)."""
         scale, bs = self.yarn.attn_scale, self.block_size
-        rows = ((scale, ws_short * bs), (scale, ws_long * bs))
-        return rows if self.static_attention_params else torch.tensor(rows, dtype=torch.float64)
+        return torch.tensor(((scale, ws_short * bs), (scale, ws_long * bs)), dtype=torch.float64)
 
-    def trunk_part(self, first: int, last: int, input_seq: Tensor, carry, cu_seqlens: Tensor, attn_params,
-                   max_seqlen: int):
-        """Blocks [first, last) of the trunk. The part starting at block 1 embeds the tokens (carry is None); the
-        part ending at the last block returns the normalised final hidden state (T, d); any other returns the
-        carry for the next part: (x, x0, skip, backout, value embeddings)."""
+    def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, attn_params, max_seqlen: int) -> Tensor:
+        """Embeddings and blocks: the normalised final hidden state (T, d)."""
         L = len(self.blocks)
         skip_w = self.scalars[:L]           # one per layer; only the U-net skip into SKIP_TO's is used
         lambdas = self.scalars[L:3 * L].view(L, 2)
         sa_lambdas = self.scalars[3 * L:5 * L].view(L, 2)
         smear_lambda, backout_lambda = self.scalars[5 * L], self.scalars[5 * L + 1]
 
-        if carry is None:
-            ve = tuple(emb(input_seq) for emb in self.value_embeds)
-            x = self.embed(input_seq)
-            # Smear: mix a gated copy of the previous token's embedding into each position (1-token look-back).
-            gate = smear_lambda * torch.sigmoid(F.linear(x[1:, :12], self.smear_gate.weight))
-            x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
-            x = x0 = norm(x)
-            skip = backout = None
-        else:
-            x, x0, skip, backout, ve = carry
-        for i in range(first, last):
+        ve = tuple(emb(input_seq) for emb in self.value_embeds)
+        x = self.embed(input_seq)
+        # Smear: mix a gated copy of the previous token's embedding into each position (1-token look-back).
+        gate = smear_lambda * torch.sigmoid(F.linear(x[1:, :12], self.smear_gate.weight))
+        x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
+        x = x0 = norm(x)
+        skip = backout = None
+        for i in range(1, L):  # block 0 is empty
             block = self.blocks[i]
             if i == self.SKIP_TO:
                 x = x + torch.sigmoid(skip_w[self.SKIP_WEIGHT]) * skip
@@ -2264,29 +2189,10 @@ class GPT(nn.Module):
                 skip = x
             if i == self.BACKOUT_FROM:
                 backout = x
-        if last < L:
-            return x, x0, skip, backout, ve
         return norm(x - backout_lambda * backout)
 
     def head(self, x: Tensor, target_seq: Tensor) -> Tensor:
         return self.lm_head(x, target_seq)
-
-
-def trunk_bounds(num_layers: int, parts: int) -> list:
-    """Blocks 1 .. num_layers-1 (block 0 is empty) in `parts` consecutive ranges [first, last) of near-equal size,
-    the larger ones last: the first part also embeds the tokens, and its process has the most other work."""
-    base, extra = divmod(num_layers - 1, parts)
-    edges = [1]
-    for k in range(parts):
-        edges.append(edges[-1] + base + (k >= parts - extra))
-    return list(zip(edges[:-1], edges[1:]))
-
-
-def pytree_tensors(tree) -> list:
-    """The tensors in nested tuples (None entries skipped)."""
-    if isinstance(tree, Tensor):
-        return [tree]
-    return [t for item in (tree or ()) for t in pytree_tensors(item)] if isinstance(tree, (tuple, list)) else []
 
 
 def next_multiple_of(x: int, n: int) -> int:
@@ -2592,12 +2498,6 @@ def get_bs(step: int, args: Hyperparameters) -> int:
     return stage_at(step, args).batch_size
 
 
-def get_ws(step: int, args: Hyperparameters) -> tuple:
-    """(short, long) attention windows in blocks."""
-    s = stage_at(step, args)
-    return s.ws_short, s.ws_long
-
-
 def get_lr(step: int, args: Hyperparameters) -> float:
     """Multiplier on every group's initial lr: a plateau that rises with the batch size, then a linear
     cooldown to lr_floor over the last cooldown_frac of the scheduled steps; lr_floor in the extension."""
@@ -2652,20 +2552,6 @@ def process_start_time() -> float:
 
 
 PROCESS_START = process_start_time()  # for the cold-start figure in the log
-# Where the time before the warm-up goes: (what just finished, when). The first entry is this module's import,
-# which includes torch's, Triton's and NumPy's.
-STARTUP_MARKS = [("imports", time.time())]
-
-
-def startup_mark(label: str) -> None:
-    STARTUP_MARKS.append((label, time.time()))
-
-
-def startup_seconds(marks=None) -> dict:
-    """{label: seconds since the previous mark} (the first one since the process started)."""
-    marks = STARTUP_MARKS if marks is None else marks
-    starts = [PROCESS_START] + [t for _, t in marks[:-1]]
-    return {label: t - start for (label, t), start in zip(marks, starts)}
 
 
 SEPARATOR = "=" * 100
@@ -2857,56 +2743,6 @@ def optimizer_step(step: int, model: nn.Module, adam, muon):
         adam.should_sync = False
 
 
-def synthetic_micro_batch(num_tokens: int, max_seq_len: int, vocab_size: int, device: str, seed: int = 0) -> tuple:
-    """A micro-batch with the shapes and dtypes the loaders yield (inputs int32, targets int64, cu_seqlens int32
-    of max_num_docs_for(num_tokens) entries), documents of max_seq_len tokens: what compiling needs, no data."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab_size, (num_tokens + 1,), generator=g)
-    lengths = [min(max_seq_len, num_tokens - start) for start in range(0, num_tokens, max_seq_len)]
-    cu = pack_cu_seqlens(lengths, num_tokens, max_num_docs_for(num_tokens))
-    return to_device((tokens[:-1].to(torch.int32), tokens[1:].to(torch.int64), cu), device)
-
-
-def run_compile_passes(model: GPT, args: Hyperparameters, rt: "Runtime", job: str) -> None:
-    """Compile the graphs of one compile job (compile_jobs): for a trunk part or the head, a training micro-batch
-    (forward and backward) at the first warm-up step's shapes and a validation micro-batch at the first
-    validation's, with only `job`'s region compiled. Other regions run eagerly, and the validation pass stops
-    after the job's trunk part, so no eager lm_head sees a whole validation micro-batch. For "optimizers", the
-    first two warm-up steps' optimizer steps (NorMuon alone, then both) on a fresh pair of optimizers, from random
-    gradients (it changes the weights: a helper's job only). Leaves no gradients behind."""
-    first = stages(args)[0]
-    per_step = rt.grad_accum_steps * rt.world_size
-    model.compiled_jobs = {job}
-    try:
-        if job == "optimizers":
-            # Their graphs see only the gradients' shapes, dtypes and strides: random ones, like a backward's, spare
-            # this helper the model's kernels (and their compiles, which the other helpers are doing meanwhile).
-            adam, muon = build_optimizers(model, args)
-            if rt.compile:
-                muon.compile_helpers()
-                adam.compile_helpers()
-            g = torch.Generator(device=rt.device).manual_seed(3)
-            for step in (0, 1):
-                for p in model.parameters():
-                    p.grad = torch.randn(p.shape, dtype=p.dtype, device=p.device, generator=g)
-                optimizer_step(step, model, adam, muon)
-            return
-        batch = synthetic_micro_batch(first.batch_size // per_step, args.train_max_seq_len, args.vocab_size,
-                                      rt.device, seed=1)
-        model(*batch, first.ws_short, first.ws_long, args.train_max_seq_len).backward()
-        model.zero_grad(set_to_none=True)
-        short, long = eval_windows(args)[0]
-        num_tokens = args.val_batch_size // per_step
-        inputs, targets, cu = synthetic_micro_batch(num_tokens, num_tokens, args.vocab_size, rt.device, seed=2)
-        parts = None if job == "head" else int(job.removeprefix("trunk")) + 1
-        model.eval()
-        with torch.no_grad():
-            model(inputs, targets, cu, short, long, num_tokens, trunk_parts=parts)
-    finally:
-        model.train()
-        model.compiled_jobs = None
-
-
 @dataclass(frozen=True)
 class RunResult:
     steps: int
@@ -2937,7 +2773,6 @@ class Trainer:
     train_files: list
     val_file: str
     log: Logger
-    workers: "CompileWorkers" = None  # helpers compiling the other compile jobs (start_compile_workers)
     graphs: MicroBatchGraphs = None   # --cuda-graphs: the training micro-batches as CUDA graphs
 
     def console(self, text: str):
@@ -3016,8 +2851,6 @@ class Trainer:
         then restore the initial weights and optimizer states so the timed run starts from scratch."""
         a = self.args
         self.warm_up_times = []  # (label, seconds): where the cold start goes
-        if self.workers is not None:
-            self.compile_side_by_side()
         initial = copy.deepcopy(dict(model=self.model.state_dict(),
                                      opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
         table = stages(a)
@@ -3026,7 +2859,7 @@ class Trainer:
         for stage in table:
             t = time.time()
             if previous is not None:
-                self.model.yarn.apply(previous, stage.ws_long)
+                self.model.yarn.stretch(previous, stage.ws_long)
             previous = stage.ws_long
             for k in range(a.warmup_steps_per_stage):
                 self.train_step(k, batches, (stage.batch_size, a.train_max_seq_len, self.rt.grad_accum_steps),
@@ -3048,7 +2881,7 @@ class Trainer:
         windows = eval_windows(a)
         for i, (short, long) in enumerate(windows):
             if previous is not None and i < len(windows) - 1:  # the final validation widens without YaRN
-                self.model.yarn.apply(previous, long)
+                self.model.yarn.stretch(previous, long)
             previous = long
             t = time.time()
             self.evaluate(short, long, max_steps=1)
@@ -3063,34 +2896,6 @@ class Trainer:
         for opt, state in zip((self.adam, self.muon), initial["opts"]):
             opt.load_state_dict(state)
         del batches
-        if self.rt.compile and self.rt.local_rank == 0:  # the next run of this script here needs no helpers
-            marker = compiled_marker(self.args, self.rt.world_size, self.rt.trunk_graphs)
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-
-    def compile_side_by_side(self):
-        """This process's compile job while the helpers compile the others; then wait for them, so that the
-        warm-up finds their graphs in the cache instead of compiling the same graphs again."""
-        job = compile_jobs(self.rt.trunk_graphs, self.rt.world_size)[0]
-        misses = compile_cache_misses()
-        t = time.time()
-        run_compile_passes(self.model, self.args, self.rt, job)
-        self.warm_up_times.append((f"compile job {job} (helpers: {', '.join(self.workers.procs)})", time.time() - t))
-        if compile_cache_misses() == misses:
-            # Everything this job needed was in the caches already (the marker was gone): so, most likely, is
-            # what the helpers compile. Waiting would only cost their start-up; the warm-up compiles any miss.
-            self.workers.stop()
-            self.log(f"compile workers: {job} was in the caches, so the helpers were stopped")
-            return
-        t = time.time()
-        problems = self.workers.wait()
-        self.warm_up_times.append(("waiting for the compile workers", time.time() - t))
-        for line in problems:
-            self.log(line)
-        helpers = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.workers.seconds.items())
-        self.log(f"warm-up: compiled {job} here and {len(self.workers.procs) - len(problems)} of "
-                 f"{len(self.workers.procs)} jobs in helper processes ({helpers}): "
-                 f"{sum(s for _, s in self.warm_up_times):.1f}s")
 
     def train(self) -> "RunResult":
         """The timed run: per step the stage's batch size and windows, a validation where due (off the clock), the
@@ -3114,7 +2919,7 @@ class Trainer:
                 if step in switch_steps:
                     log(schedule_line(step, a))
                 if ws_long != current_long:
-                    self.model.yarn.apply(current_long, ws_long)
+                    self.model.yarn.stretch(current_long, ws_long)
                     current_long = ws_long
                 if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
                     synchronize(self.rt.device)
@@ -3250,8 +3055,6 @@ class Runtime:
     compile: bool
     fp8: bool
     mlp_kernel: str = "inductor"      # one of MLP_KERNELS
-    trunk_graphs: int = 1             # compiled graphs the trunk is split into (GPT.trunk_bounds)
-    parallel_compile: bool = False    # compile workers were started for the jobs beyond this process's first
     cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)
     bf16_gemms_in_fp32: bool = False  # a CPU without native bf16 GEMMs: they run in fp32 (Bf16GemmsInFp32)
 
@@ -3266,9 +3069,7 @@ class Runtime:
         return (f'Run config: world_size={self.world_size} grad_accum_steps={self.grad_accum_steps} '
                 f'device={self.device} attn_backend={self.attn_backend} orthogonalizer={args.orthogonalizer} '
                 f'fp8={int(self.fp8)} compile={int(self.compile)} fused_fp8_head={int(fused_head)} '
-                f'mlp_kernel={self.mlp_kernel} trunk_graphs={self.trunk_graphs} '
-                f'parallel_compile={int(self.parallel_compile)} '
-                f'cuda_graphs={int(self.cuda_graphs)} bf16_gemms_in_fp32={int(self.bf16_gemms_in_fp32)} '
+                f'mlp_kernel={self.mlp_kernel} cuda_graphs={int(self.cuda_graphs)} bf16_gemms_in_fp32={int(self.bf16_gemms_in_fp32)} '
                 f'data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
@@ -3299,23 +3100,6 @@ def compile_enabled(args: Hyperparameters, device: str) -> bool:
     return args.compile == "on" or (args.compile == "auto" and device == "cuda")
 
 
-# The trunk's graphs with compile workers: two jobs of five and six blocks. Each boundary costs fusions across it
-# (a fraction of a percent per step at stages 2-3); a third graph starts a little sooner but costs more per step.
-PARALLEL_TRUNK_GRAPHS = 2
-
-
-def parallel_compile_configured(args: Hyperparameters, device: str, env=os.environ) -> bool:
-    """Whether this configuration compiles with helper processes (their graphs then split the trunk). Inductor's
-    cache keys name the GPU, so each training process would need helpers of its own: auto only with one per node."""
-    if args.parallel_compile == "off" or not compile_enabled(args, device):
-        return False
-    return args.parallel_compile == "on" or int(env.get("LOCAL_WORLD_SIZE", 1)) == 1
-
-
-def resolve_trunk_graphs(args: Hyperparameters, device: str, env=os.environ) -> int:
-    return PARALLEL_TRUNK_GRAPHS if parallel_compile_configured(args, device, env) else 1
-
-
 def resolve_cuda_graphs(args: Hyperparameters, device: str, use_compile: bool) -> bool:
     if args.cuda_graphs == "on":
         if device != "cuda":
@@ -3324,9 +3108,8 @@ def resolve_cuda_graphs(args: Hyperparameters, device: str, use_compile: bool) -
     return args.cuda_graphs == "auto" and device == "cuda" and use_compile
 
 
-def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: bool = False) -> Runtime:
-    """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read.
-    parallel_compile: whether compile workers were started (decided earlier: see wants_parallel_compile)."""
+def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
+    """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read."""
     world_size = int(env.get("WORLD_SIZE", 1))
     device = pick_device(args)
     if device != args.device and device == "cpu" and int(env.get("RANK", 0)) == 0:
@@ -3343,10 +3126,8 @@ def resolve_runtime(args: Hyperparameters, env=os.environ, parallel_compile: boo
                    attn_backend=backend,
                    compile=use_compile, fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
                    mlp_kernel=resolve_mlp_kernel(args.mlp_kernel, device),
-                   trunk_graphs=resolve_trunk_graphs(args, device, env), parallel_compile=parallel_compile,
                    cuda_graphs=resolve_cuda_graphs(args, device, use_compile),
                    bf16_gemms_in_fp32=device == "cpu" and not use_compile and not native_bf16_gemms())
-    startup_mark("kernel libraries")  # resolving the backends imports FlashAttention-4's and quack's CuTe DSL
     return rt
 
 
@@ -3412,15 +3193,15 @@ def setup_process_group(rt: Runtime):
         dist.barrier()
 
 
-RECOMPILE_LIMIT = 64  # graphs per code object: the trunk's parts share one, each with a train and an eval graph
+RECOMPILE_LIMIT = 64  # graphs per code object (a train and an eval graph each; a few more for tests)
 
 
 def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
-    """The model on this process's device, compiled per region (the compile workers build it the same way)."""
+    """The model on this process's device, compiled per region."""
     micro_batches = rt.grad_accum_steps * rt.world_size  # per step, over all ranks
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
-                mlp_kernel=rt.mlp_kernel, trunk_graphs=rt.trunk_graphs).to(rt.device)
+                mlp_kernel=rt.mlp_kernel).to(rt.device)
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     if rt.compile:
         model.compile_regions(dynamic=False, fullgraph=True)
@@ -3440,13 +3221,12 @@ def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
     return model, adam, muon
 
 
-def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path, workers: "CompileWorkers" = None) -> "Trainer":
+def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Trainer":
     """Everything a run needs, in one place (run() and bench/bench.py both call this): data checked first, then
-    the process group, the log with its header, the model and optimizers. workers: start_compile_workers'."""
+    the process group, the log with its header, the model and optimizers."""
     train_files, val_file = find_data(args, rt)
     check_log_dir(log_path.parent)
     setup_process_group(rt)
-    startup_mark("CUDA and process group")
     log = Logger(log_path, rt.master)
     if rt.master:
         print(log.path, flush=True)
@@ -3463,9 +3243,8 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path, workers: "
     if args.seed >= 0:
         torch.manual_seed(args.seed)
     model, adam, muon = build_model_and_optimizers(args, rt)
-    startup_mark("model and optimizers")
     graphs = MicroBatchGraphs(model, adam) if rt.cuda_graphs else None
-    return Trainer(args, rt, model, adam, muon, train_files, val_file, log, workers, graphs)
+    return Trainer(args, rt, model, adam, muon, train_files, val_file, log, graphs)
 
 
 # A bundle of everything compiled for this script, to skip compilation on a fresh machine: PyTorch's portable cache
@@ -3636,158 +3415,7 @@ def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
     if not args.compile_cache:
         return None, False, ""
     path = Path(args.compile_cache)
-    result = (path, *load_compile_cache(path))
-    startup_mark("compile cache")
-    return result
-
-
-# Compile workers. With empty caches most of the cold start is Inductor compiling the trunk on one CPU core, graph
-# after graph. The trunk's two parts, the head and the optimizers' helpers are independent compile jobs:
-# helper processes (one per job but the first, on this process's GPU, started before the kernel libraries load)
-# each compile one while this process compiles the first; the warm-up then finds their graphs in Inductor's on-disk
-# cache, because the same code given inputs of the same shapes, dtypes and strides yields the same cache keys.
-# Those keys name the GPU, so every training process needs helpers of its own: auto starts them only with one
-# process per node.
-COMPILE_JOB_VAR = "SPEEDRUN_COMPILE_JOB"    # set in a helper: the job it compiles
-COMPILE_ARGS_VAR = "SPEEDRUN_COMPILE_ARGS"  # the trainer's settings, as JSON
-COMPILE_WORKER_TIMEOUT_S = 900
-
-
-def compile_jobs(trunk_graphs: int, world_size: int) -> list:
-    """What can compile side by side: the trunk's parts, the head and, on one GPU, the optimizers' helpers (with
-    several, their shapes depend on the ranks' shards, which a helper without the process group cannot see). The
-    first job is the trainer's own."""
-    return [f"trunk{k}" for k in range(trunk_graphs)] + ["head"] + (["optimizers"] if world_size == 1 else [])
-
-
-# Settings that cannot change a compiled graph: a run that differs from an earlier one only in these still finds
-# its graphs in the caches. (A change anywhere else only means that the helpers run again.)
-GRAPH_NEUTRAL_SETTINGS = ("run_id", "seed", "log_dir", "save_checkpoint", "compile_cache", "data_path",
-                          "train_files", "val_files", "train_epochs", "val_loss_every", "check", "check_flags",
-                          "num_scheduled_iterations", "num_extension_iterations", "parallel_compile", "cuda_graphs")
-
-
-def compiled_marker(args: Hyperparameters, world_size: int, trunk_graphs: int) -> Path:
-    """A file in Inductor's cache folder, written after a warm-up, that says this script with these settings was
-    compiled here: its name hashes the script's source, the settings that can change a graph (the trunk's graph
-    count as resolved), the versions and the world size. Wiping the cache folder wipes the marker with it."""
-    import hashlib
-    import json
-    settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in GRAPH_NEUTRAL_SETTINGS}
-    digest = hashlib.sha256(Path(__file__).read_bytes())
-    digest.update(json.dumps([settings, trunk_graphs, torch.__version__, triton.__version__ if triton else None,
-                              world_size], sort_keys=True, default=str).encode())
-    return Path(inductor_cache_dir()) / "speedrun_compiled" / digest.hexdigest()[:32]
-
-
-def wants_parallel_compile(args: Hyperparameters, device: str, cache_loaded: bool, env=os.environ) -> bool:
-    """Helpers only pay where there is something to compile: not with a loaded bundle, not where an earlier run
-    of the same script and settings left its graphs in the caches."""
-    if cache_loaded or not parallel_compile_configured(args, device, env):
-        return False
-    marker = compiled_marker(args, int(env.get("WORLD_SIZE", 1)), resolve_trunk_graphs(args, device, env))
-    return not marker.exists()
-
-
-def hyperparameters_to_json(args: Hyperparameters) -> str:
-    import json
-    return json.dumps(dataclasses.asdict(args))
-
-
-def hyperparameters_from_json(text: str) -> Hyperparameters:
-    import json
-    defaults = {f.name: f.default for f in dataclasses.fields(Hyperparameters)}
-    values = json.loads(text)
-    return Hyperparameters(**{k: tuple(v) if isinstance(defaults[k], tuple) else v for k, v in values.items()})
-
-
-def _end_with_parent():
-    """Run in a helper before it starts: Linux ends it when the trainer dies (no one would read its graphs)."""
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
-    except (OSError, AttributeError):
-        pass
-
-
-class CompileWorkers:
-    """Helper processes, one per compile job; each runs run_compile_passes for its job and exits."""
-
-    def __init__(self, procs: dict, log_dir: Path):
-        self.procs, self.log_dir, self.started = procs, log_dir, time.time()  # procs: job -> (Popen, log path)
-        self.seconds = {}  # job -> seconds from the start to the helper's exit, filled by wait()
-
-    @classmethod
-    def start(cls, args: Hyperparameters, jobs: list, env=os.environ, command=None) -> "CompileWorkers":
-        # A helper is no rank of the job: without RANK it joins no process group, and torchrun's variables (its
-        # error file among them) stay with the trainer. WORLD_SIZE and LOCAL_RANK stay: shapes and the GPU.
-        child_env = {k: v for k, v in env.items() if k != "RANK" and not k.startswith("TORCHELASTIC_")}
-        child_env[COMPILE_ARGS_VAR] = hyperparameters_to_json(args)
-        log_dir = Path(tempfile.mkdtemp(prefix="speedrun_compile_workers_"))
-        procs = {}
-        for job in jobs:
-            log = log_dir / f"{job}.txt"
-            with open(log, "w") as out:
-                proc = subprocess.Popen(command or [sys.executable, __file__], env={**child_env, COMPILE_JOB_VAR: job},
-                                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                        preexec_fn=_end_with_parent)
-            procs[job] = (proc, log)
-        return cls(procs, log_dir)
-
-    def wait(self, timeout_s: float = COMPILE_WORKER_TIMEOUT_S) -> list:
-        """Block until every helper has exited; one line for each that failed (the warm-up compiles its job)."""
-        while len(self.seconds) < len(self.procs) and time.time() < self.started + timeout_s:
-            for job, (proc, _) in self.procs.items():
-                if job not in self.seconds and proc.poll() is not None:
-                    self.seconds[job] = time.time() - self.started
-            time.sleep(0.05)
-        problems = []
-        for job, (proc, log) in self.procs.items():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-                why = f"still running after {timeout_s:.0f}s"
-            elif proc.returncode != 0:
-                why = f"exit {proc.returncode}"
-            else:
-                continue
-            lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-            last = f": {lines[-1].strip()[:200]}" if lines else ""
-            problems.append(f"compile worker for {job} failed ({why}{last}; log {log}); the warm-up compiles it here")
-        if not problems:
-            import shutil
-            shutil.rmtree(self.log_dir, ignore_errors=True)
-        return problems
-
-    def stop(self) -> None:
-        for proc, _ in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
-def start_compile_workers(args: Hyperparameters, cache_loaded: bool, env=os.environ):
-    """CompileWorkers for every job but the first, or None; run() and bench/bench.py both call this right after
-    open_compile_cache, before the kernel libraries load, so the helpers' start-up overlaps the trainer's."""
-    device = pick_device(args)
-    if not wants_parallel_compile(args, device, cache_loaded, env):
-        return None
-    jobs = compile_jobs(resolve_trunk_graphs(args, device, env), int(env.get("WORLD_SIZE", 1)))
-    workers = CompileWorkers.start(args, jobs[1:], env)
-    startup_mark("compile workers started")
-    return workers
-
-
-def compile_worker_main(job: str, env=os.environ) -> int:
-    """A helper's whole life: build the model as the trainer does, compile one job's graphs, exit."""
-    args = hyperparameters_from_json(env[COMPILE_ARGS_VAR])
-    default_kernel_cache_dirs(env)
-    rt = resolve_runtime(args, env)
-    if rt.device == "cuda":
-        torch.cuda.set_device(rt.local_rank)
-    model = build_model(args, rt)
-    run_compile_passes(model, args, rt, job)
-    return 0
+    return (path, *load_compile_cache(path))
 
 
 def run(args: Hyperparameters) -> None:
@@ -3801,18 +3429,9 @@ def run(args: Hyperparameters) -> None:
               f"data {args.data_path if args.check else 'not checked'}", flush=True)
         return
     cache_path, cache_loaded, cache_line = open_compile_cache(args)
-    workers = start_compile_workers(args, cache_loaded)
-    try:
-        train_run(args, cache_path, cache_loaded, cache_line, workers)
-    finally:
-        if workers is not None:
-            workers.stop()
-
-
-def train_run(args: Hyperparameters, cache_path, cache_loaded: bool, cache_line: str, workers) -> None:
-    rt = resolve_runtime(args, parallel_compile=workers is not None)
+    rt = resolve_runtime(args)
     run_id = args.run_id or str(uuid.uuid4())
-    trainer = build_trainer(args, rt, Path(args.log_dir) / f"{run_id}.txt", workers)
+    trainer = build_trainer(args, rt, Path(args.log_dir) / f"{run_id}.txt")
     log = trainer.log
     if cache_line:
         log(cache_line)
@@ -3821,12 +3440,11 @@ def train_run(args: Hyperparameters, cache_path, cache_loaded: bool, cache_line:
     cache_note = compile_cache_after_warm_up(cache_path, cache_loaded) if rt.master else ""
     if cache_note:
         log(cache_note)
-    before = ", ".join(f"{label} {seconds:.1f}s" for label, seconds in startup_seconds().items())
     caches = compile_cache_counts()
     log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
         f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs, Inductor's cache "
         f"{caches['inductor']['hits']} hits and {caches['inductor']['misses']} misses, AOTAutograd's "
-        f"{caches['aot_autograd']['hits']} and {caches['aot_autograd']['misses']}; before it: {before})")
+        f"{caches['aot_autograd']['hits']} and {caches['aot_autograd']['misses']})")
     result = trainer.train()
     if dist.is_initialized() and rt.world_size > 1:
         same = replicas_identical(trainer.model)
@@ -3844,8 +3462,6 @@ RANK0_REPORT_GRACE_S = 3.0  # how long the other ranks wait for rank 0 to report
 
 
 def main(argv=None) -> int:
-    if os.environ.get(COMPILE_JOB_VAR):
-        return compile_worker_main(os.environ[COMPILE_JOB_VAR])
     rank = int(os.environ.get("RANK", 0))
     try:
         args = parse_args(argv)

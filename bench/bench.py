@@ -318,7 +318,7 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
     for stage_no, stage in enumerate(tg.stages(args), start=1):  # the extension is number 4: no reference
         name, bs = stage.name, stage.batch_size
         if stage.ws_long != previous_long:
-            trainer.model.yarn.apply(previous_long, stage.ws_long)
+            trainer.model.yarn.stretch(previous_long, stage.ws_long)
             previous_long = stage.ws_long
         batches = trainer.new_batches(bs)
         torch.cuda.reset_peak_memory_stats()
@@ -392,7 +392,7 @@ def check_cuda_graphs(trainer, args) -> dict:
         with tg.no_compiles_allowed():
             for stage in tg.stages(args):
                 if stage.ws_long != previous_long:
-                    model.yarn.apply(previous_long, stage.ws_long)
+                    model.yarn.stretch(previous_long, stage.ws_long)
                     previous_long = stage.ws_long
                 grads, losses = {}, {}
                 for name in ("eager", "graphs", "eager_again", "graphs_again"):
@@ -605,25 +605,25 @@ def main(argv=None) -> int:
     except tg.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tg.startup_mark("bench.py: CUDA check, Inductor import, flags")  # the trainer does the first two too, later
+    parts = {"imports, CUDA check, flags": time.time() - tg.PROCESS_START}  # where the time before the warm-up goes
     t_data = time.time()
     make_synthetic_shards(Path(a.data_dir), train_tokens=60_000_000, val_tokens=args.val_batch_size + 1)
     data_s = time.time() - t_data  # the benchmark's own synthetic data: not part of the trainer's cold start
-    tg.startup_mark("synthetic data (bench.py only, not counted)")  # data_s of it is subtracted below
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    t = time.time()
     cache_path, cache_loaded, cache_line = tg.open_compile_cache(args)  # -- --compile-cache FILE, as the trainer
-    workers = tg.start_compile_workers(args, cache_loaded)  # as the trainer: helpers compile the other jobs
-    try:
-        rt = tg.resolve_runtime(args, parallel_compile=workers is not None)
-        rt = dataclasses.replace(rt, grad_accum_steps=tg.grad_accum_steps_for(as_world))
-        trainer = tg.build_trainer(args, rt, out.parent / "bench_log.txt", workers)
-        t = time.time()
-        trainer.warm_up_kernels()
-        warm_up_s = time.time() - t
-    finally:
-        if workers is not None:
-            workers.stop()
+    parts["compile cache"] = time.time() - t
+    t = time.time()
+    rt = tg.resolve_runtime(args)
+    rt = dataclasses.replace(rt, grad_accum_steps=tg.grad_accum_steps_for(as_world))
+    parts["kernel libraries"] = time.time() - t  # resolving the backends imports FA4's and quack's CuTe DSL
+    t = time.time()
+    trainer = tg.build_trainer(args, rt, out.parent / "bench_log.txt")
+    parts["process group, model and optimizers"] = time.time() - t
+    t = time.time()
+    trainer.warm_up_kernels()
+    warm_up_s = time.time() - t
     this_process_s = time.time() - tg.PROCESS_START - data_s
     cache_note = tg.compile_cache_after_warm_up(cache_path, cache_loaded) if master else ""  # as the trainer
     if cache_note:
@@ -632,8 +632,8 @@ def main(argv=None) -> int:
                 cache_present_at_start=cache_present, cache_dir=str(cache), cache_mb_after=folder_mb(cache),
                 triton_cache_dir=os.environ.get("TRITON_CACHE_DIR", ""),
                 triton_cache_mb_after=folder_mb(Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))),
-                before_warm_up_parts_s=tg.startup_seconds(), warm_up_parts_s=dict(trainer.warm_up_times),
-                compile_cache=cache_line, compile_workers_s=getattr(workers, "seconds", None), **compile_report())
+                before_warm_up_parts_s=parts, warm_up_parts_s=dict(trainer.warm_up_times),
+                compile_cache=cache_line, **compile_report())
     say = print if master else (lambda *_, **__: None)
     say(f"cold start {cold['this_process_s']:.1f}s (warm-up {warm_up_s:.1f}s)", flush=True)
     if a.cold_start_only:

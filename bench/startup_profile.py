@@ -4,7 +4,7 @@ main thread's stack every few milliseconds, until the trainer's kernel warm-up r
     python3 bench/startup_profile.py --out DIR [--interval-ms 5] bench/bench.py --stages-only [-- TRAIN_FLAGS]
 
 Writes DIR/startup_profile.txt (the functions with the most wall time, inclusive and self, and the same split by
-the startup phases the trainer marks) and DIR/startup_stacks.txt (collapsed stacks with their milliseconds, the
+before the warm-up and the warm-up) and DIR/startup_stacks.txt (collapsed stacks with their milliseconds, the
 input format of flamegraph.pl and speedscope). Each sample counts the wall time since the previous one, so a long
 call that holds the GIL is charged to the stack seen when it returns. Sampling costs the process a few per cent.
 """
@@ -113,13 +113,15 @@ def main(argv=None) -> int:
     import train_gpt as tg  # the script imports this same module; its warm-up's return ends the sampling
 
     warm_up = tg.Trainer.warm_up_kernels
+    marks = []  # (phase, when it ended): everything before the warm-up, then the warm-up itself
 
     def warm_up_then_stop(self):
+        marks.append(("before the warm-up", time.time()))
         try:
             return warm_up(self)
         finally:
             sampler.stop()
-            write(out, sampler, tg)
+            write(out, sampler, tg, marks)
 
     tg.Trainer.warm_up_kernels = warm_up_then_stop
     sys.argv = [a.script, *strip_separator(a.script_args)]
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
     finally:
         if not sampler._stop.is_set():  # the script ended before any warm-up
             sampler.stop()
-            write(out, sampler, tg)
+            write(out, sampler, tg, marks)
     return 0
 
 
@@ -139,8 +141,7 @@ def strip_separator(args: list) -> list:
     return args[1:] if args and args[0] == "--" else args
 
 
-def write(out: Path, sampler: StackSampler, tg) -> None:
-    marks = list(tg.STARTUP_MARKS)
+def write(out: Path, sampler: StackSampler, tg, marks: list) -> None:
     total = time.time() - tg.PROCESS_START
     (out / "startup_profile.txt").write_text(report(sampler.samples, marks, total))
     (out / "startup_stacks.txt").write_text(collapsed(sampler.samples))

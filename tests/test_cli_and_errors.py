@@ -49,7 +49,7 @@ def test_help_gives_each_flag_its_description_default_and_allowed_values(tmp_pat
     for f in dataclasses.fields(tg.Hyperparameters):
         assert f.metadata["help"], f"{f.name} has no --help text"
         assert " ".join(f.metadata["help"].split()) in text, f.name
-    assert "--orthogonalizer {polar,turbo}" in text and "--attn-backend {auto,fa3,fa4,varlen,reference}" in text
+    assert "--orthogonalizer {polar,turbo}" in text and "--attn-backend {auto,fa4,varlen,reference}" in text
     assert "unseeded, like the record (default: -1)" in text
     assert "(default: None)" not in text
 
@@ -363,7 +363,7 @@ def test_error_bad_orthogonalizer(tmp_path, good_data):
 
 
 def test_error_gpu_attention_backend_on_cpu(tmp_path, good_data):
-    r = run_script(smoke_args(good_data, tmp_path, "--attn-backend", "fa3"), cwd=tmp_path)
+    r = run_script(smoke_args(good_data, tmp_path, "--attn-backend", "fa4"), cwd=tmp_path)
     assert_one_line_error(r, "--attn-backend")
 
 

@@ -174,13 +174,6 @@ def test_kernel_cache_folders_get_their_owners_defaults_and_keep_a_users_choice(
     assert Path(env["TRITON_CACHE_DIR"]).parts[-2:] == ("triton", "3")  # Inductor's folder for GPU 3
 
 
-def test_startup_seconds_splits_the_time_before_the_warm_up_between_consecutive_marks():
-    start = tg.PROCESS_START
-    marks = [("imports", start + 4.0), ("kernel libraries", start + 9.5), ("model and optimizers", start + 10.0)]
-    assert tg.startup_seconds(marks) == pytest.approx({"imports": 4.0, "kernel libraries": 5.5,
-                                                       "model and optimizers": 0.5})
-
-
 EDITED_SCRIPT_PROCESS = r"""
 import json, sys, torch
 from pathlib import Path

@@ -44,7 +44,7 @@ def train_steps(trainer, graphs, steps_per_stage: int = 1) -> tuple[list, list]:
     previous_long, step, losses = args.ws_schedule[0], 0, []
     for stage in tg.stages(args):
         if stage.ws_long != previous_long:
-            model.yarn.apply(previous_long, stage.ws_long)
+            model.yarn.stretch(previous_long, stage.ws_long)
             previous_long = stage.ws_long
         batches = trainer.new_batches(stage.batch_size)
         for _ in range(steps_per_stage):
@@ -87,7 +87,7 @@ def test_a_stage_gets_a_new_graph_when_its_windows_or_softmax_scale_change(train
     assert graphs.key(batch, 1, 3) == base
     assert graphs.key(batch, 2, 3) != base and graphs.key(batch, 1, 4) != base
     assert graphs.key(batch[:1] + (torch.zeros(256, dtype=torch.int64),) + batch[2:], 1, 3) != base
-    trainer.model.yarn.apply(3, 7)  # YaRN raises the softmax scale, a host value frozen into a captured graph
+    trainer.model.yarn.stretch(3, 7)  # YaRN raises the softmax scale, a host value frozen into a captured graph
     try:
         assert graphs.key(batch, 1, 3) != base
     finally:

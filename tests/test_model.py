@@ -87,7 +87,7 @@ def test_yarn_attn_scale_sequence_and_reset():
     fresh = (y.freqs.clone(), y.cos.clone(), y.sin.clone())
     scales = [y.attn_scale]
     for old, new in [(3, 7), (7, 11), (11, 13)]:
-        y.apply(old, new)
+        y.stretch(old, new)
         scales.append(y.attn_scale)
     assert scales == pytest.approx([0.1, 0.116946, 0.127518, 0.131778], abs=1e-6)
     assert not torch.equal(y.freqs, fresh[0])
@@ -103,7 +103,7 @@ def test_yarn_attn_scale_sequence_and_reset():
 def test_yarn_apply_formula():
     y = tg.Yarn(128, 32)
     f0 = y.freqs.double().clone()
-    y.apply(3, 7)
+    y.stretch(3, 7)
     r = 128 * 3 * f0 / (2 * math.pi)
     gamma = ((r - 1) / (32 - 1)).clamp(0, 1)
     rho = 3 / 7
@@ -122,7 +122,7 @@ def test_yarn_buffers_not_in_state_dict(model):
 
 def test_rotary_zero_frequency_half_unchanged_and_norm_preserved():
     y = tg.Yarn(128, 512)
-    y.apply(3, 7)
+    y.stretch(3, 7)
     torch.manual_seed(0)
     x = torch.randn(512, 3, 128)
     out = y.rotate(x)
@@ -365,7 +365,7 @@ def test_compiled_regions_give_lm_head_its_own_backward_graph_that_runs_before_t
     inputs, targets, cu = random_batch(128, seed=6)
     loss = m(inputs, targets, cu, 1, 3, 128)
     nodes = _compiled_backward_nodes(loss)
-    assert len(nodes) == 1 + len(m.trunk_bounds), "expected one backward graph for the head and one per trunk part"
+    assert len(nodes) == 2, "expected one backward graph for the head and one for the trunk"
     head_leaves = {id(fn.variable) for fn, _ in nodes[0].next_functions if hasattr(fn, "variable")}
     assert id(m.lm_head.weight) in head_leaves and not head_leaves & {id(p) for p in trunk_params}
     loss.backward()
@@ -512,12 +512,7 @@ def test_attention_params_are_a_fresh_cpu_tensor_of_scale_and_windows_in_tokens(
     assert params.tolist() == [[0.1, 3 * 128], [0.1, 7 * 128]]
     assert model.attention_params(3, 7) is not params  # saved for the backward: never mutated in place
     assert tg.attention_scalars(params, 1) == (0.1, 896)
-    model.static_attention_params = True
-    try:
-        assert model.attention_params(5, 11) == ((0.1, 640), (0.1, 1408))
-        assert tg.attention_scalars(model.attention_params(5, 11), 0) == (0.1, 640)
-    finally:
-        model.static_attention_params = False
+    assert tg.attention_scalars(model.attention_params(5, 11), 0) == (0.1, 640)
 
 
 def test_one_compiled_graph_serves_every_batch_size_window_and_yarn_scale():
@@ -530,7 +525,7 @@ def test_one_compiled_graph_serves_every_batch_size_window_and_yarn_scale():
     compiled(inputs, targets, cu, 1, 3, 128).backward()  # "warm-up": the only compilation
     compiled.zero_grad(set_to_none=True)
     for m in (eager, compiled):
-        m.yarn.apply(3, 7)
+        m.yarn.stretch(3, 7)
     inputs, targets, cu = random_batch(384, num_docs=9, seed=13)
     cu = torch.cat([cu, torch.full((128,), 384, dtype=cu.dtype)])  # a longer cu_seqlens too (next stage)
     with tg.no_compiles_allowed(True):
@@ -645,15 +640,13 @@ def test_auto_backend_on_cpu_is_the_reference_and_fa4_on_cpu_is_a_one_line_error
 
 
 def test_fa4_backend_is_picked_by_auto_when_installed_and_keeps_its_kernel_cache(monkeypatch):
-    """With flash_attn.cute importable on a Hopper GPU (both faked here), auto picks FA4 (no `kernels` hub for FA3)
-    and FA4's on-disk kernel cache is switched on (unless the user set the variable)."""
+    """With flash_attn.cute importable on a Hopper GPU (both faked here), auto picks FA4, and FA4's on-disk kernel cache is switched on (unless the user set the variable)."""
     import sys
     import types
     fake = types.ModuleType("flash_attn.cute.interface")
     for name in ("flash_attn", "flash_attn.cute"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", fake)
-    monkeypatch.setitem(sys.modules, "kernels", None)  # FA3's hub is not installed
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
     assert tg.resolve_attention_backend("auto", "cuda") == "fa4"
@@ -768,7 +761,7 @@ out = []
 for T, H, D in [(37, 2, 16), (64, 3, 32), (5, 1, 8)]:  # T*2H rows: ragged against the 32-row tile
     torch.manual_seed(T)
     yarn = tg.Yarn(D, 128)
-    yarn.apply(3, 7)  # stretched (YaRN) tables, as after a window change
+    yarn.stretch(3, 7)  # stretched (YaRN) tables, as after a window change
     qkv = (torch.randn(T, 3 * H, D) * 2).float()
     qk, rstd = tg.qk_norm_rope(qkv, yarn.cos, yarn.sin)  # the kernel (interpreter), fp32
     x = qkv.double().view(T, 3, H, D)[:, :2].requires_grad_(True)

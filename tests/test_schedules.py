@@ -8,6 +8,13 @@ import pytest
 
 import train_gpt as tg
 
+
+def ws_at(step, args):
+    """(short, long) attention windows in blocks at a step."""
+    s = tg.stage_at(step, args)
+    return s.ws_short, s.ws_long
+
+
 A = tg.Hyperparameters()
 LENGTHS = [(20, 3), (90, 6), (200, 10), (348, 10), (349, 10), (2120, 40)]
 
@@ -65,7 +72,7 @@ def test_every_schedule_matches_the_record_formulas_at_every_step(scheduled, ext
     a, rec = args_for(scheduled, extension), RecordSchedule(scheduled, extension)
     for step in range(a.num_iterations + 1):
         assert tg.get_bs(step, a) == rec.bs(step), step
-        assert tg.get_ws(step, a) == rec.ws(step), step
+        assert ws_at(step, a) == rec.ws(step), step
         assert tg.get_lr(step, a) == rec.lr(step), step          # bit-equal: same float expression
         assert tg.get_muon_momentum(step, a) == rec.momentum(step), step
 
@@ -77,9 +84,9 @@ def test_stage_table_first_steps_are_where_the_window_changes(scheduled, extensi
     assert [s.first_step for s in table[1:]] == rec.yarn_steps()
     assert table[0].first_step == 0 and table[-1].name == "extension"
     for s in table:
-        assert tg.get_bs(s.first_step, a) == s.batch_size and tg.get_ws(s.first_step, a) == (s.ws_short, s.ws_long)
+        assert tg.get_bs(s.first_step, a) == s.batch_size and ws_at(s.first_step, a) == (s.ws_short, s.ws_long)
         if s.first_step > 0:
-            assert tg.get_ws(s.first_step - 1, a) != (s.ws_short, s.ws_long)
+            assert ws_at(s.first_step - 1, a) != (s.ws_short, s.ws_long)
 
 
 def test_short_run_never_leaves_the_momentum_warmup():
@@ -128,8 +135,8 @@ def test_total_training_tokens():
 @pytest.mark.parametrize("step,ws", [(0, (1, 3)), (706, (1, 3)), (707, (3, 7)), (1413, (3, 7)),
                                      (1414, (5, 11)), (2119, (5, 11)), (2120, (6, 13)), (2159, (6, 13)),
                                      (2160, (6, 13))])
-def test_get_ws_boundaries(step, ws):
-    assert tg.get_ws(step, A) == ws
+def test_window_boundaries(step, ws):
+    assert ws_at(step, A) == ws
 
 
 @pytest.mark.parametrize("step,lr", [(0, 1.0), (699, 1.0), (700, 1.51), (953, 1.51), (954, 1.51),
@@ -156,7 +163,7 @@ def test_smoke_preset_schedule():
     s = tg.Hyperparameters(**tg.SMOKE_PRESET)
     assert s.num_iterations == 33
     assert [tg.get_bs(k, s) for k in (0, 9, 10, 19, 20, 29, 30, 32)] == [512] * 2 + [1024] * 2 + [1536] * 4
-    assert [tg.get_ws(k, s) for k in (0, 10, 20, 30)] == [(1, 3), (3, 7), (5, 11), (6, 13)]
+    assert [ws_at(k, s) for k in (0, 10, 20, 30)] == [(1, 3), (3, 7), (5, 11), (6, 13)]
 
 
 # ---- short schedules log what they do at each stage switch ------------------------------------------------------
