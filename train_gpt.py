@@ -317,9 +317,9 @@ def _(x, w, x_s, w_s, grad_s):
 
 
 def quantize_e4m3(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """e4m3(x / scale) rounded as x.div(scale).to(e4m3) rounds it on a GPU (times the fp32 reciprocal, rounded to
-    x's dtype, then to e4m3), in both layouts: (M, N) and its contiguous (N, M) transpose. One Triton pass reads x
-    once; PyTorch needs a division, a cast and a strided copy, each a pass of its own."""
+    """e4m3(x / scale) as the record's compiled quantiser rounds it (x in fp32 times the fp32 reciprocal, one rounding
+    to e4m3; eager PyTorch would round the quotient to x's dtype first), in both layouts: (M, N) and its contiguous
+    (N, M) transpose. One Triton pass reads x once; PyTorch needs a division, a cast and a strided copy."""
     assert x.dim() == 2
     if not _kernels_usable(x):
         return quantize_e4m3_reference(x, scale)
@@ -335,7 +335,7 @@ def quantize_e4m3(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
 
 def quantize_e4m3_reference(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """quantize_e4m3 in PyTorch ops (the CPU path)."""
-    q = (x * (np.float32(1) / np.float32(scale)).item()).to(torch.float8_e4m3fn)
+    q = (x.float() * (np.float32(1) / np.float32(scale)).item()).to(torch.float8_e4m3fn)
     return q, q.t().contiguous()
 
 
@@ -581,14 +581,14 @@ if triton is not None:
     @triton.jit
     def _quantize_transpose_kernel(X, Q, QT, M, N, inv_scale, BLOCK: tl.constexpr):
         # Q (M, N) = e4m3(x · inv_scale) and QT (N, M) its transpose, from one read of a BLOCK x BLOCK tile of X.
-        # The product is rounded to X's dtype before e4m3, as PyTorch's x.div(scale).to(e4m3) rounds it.
+        # The fp32 product is rounded once, to e4m3, as Inductor's compile of x.div(scale).to(e4m3) rounds it.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = (pid_m * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         cols = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-        q = (x.to(tl.float32) * inv_scale).to(X.dtype.element_ty).to(Q.dtype.element_ty)
+        q = (x.to(tl.float32) * inv_scale).to(Q.dtype.element_ty)
         tl.store(Q + rows[:, None] * N + cols[None, :], q, mask=mask)
         tl.store(QT + cols[:, None] * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
 
