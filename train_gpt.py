@@ -237,11 +237,10 @@ def validate_args(args: Hyperparameters):
     def need(cond, msg):
         if not cond:
             raise ConfigError(msg)
-    need(args.orthogonalizer in ("polar", "turbo"), f"--orthogonalizer must be polar or turbo, got {args.orthogonalizer!r}")
-    need(args.attn_backend in ("auto", "fa4", "varlen", "reference"),
-         f"--attn-backend must be auto, fa4, varlen or reference, got {args.attn_backend!r}")
-    need(args.device in ("auto", "cuda", "cpu"), f"--device must be auto, cuda or cpu, got {args.device!r}")
-    need(args.compile in ("auto", "on", "off"), f"--compile must be auto, on or off, got {args.compile!r}")
+    for f in dataclasses.fields(args):  # argparse checks these too, but the benchmark builds settings in code
+        choices, value = f.metadata["choices"], getattr(args, f.name)
+        if choices and value not in choices:
+            raise ConfigError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}")
     need(args.model_dim == args.num_heads * args.head_dim,
          f"--model-dim ({args.model_dim}) must equal --num-heads x --head-dim ({args.num_heads}x{args.head_dim})")
     need(args.head_dim % 4 == 0, "--head-dim must be a multiple of 4 (half-truncated rotary)")
@@ -393,11 +392,8 @@ def _fp8_matmul_setup_context(ctx, inputs, output):
 def _fp8_matmul_backward_rule(ctx, grad_out, *_):
     x_f8_t, w_f8_t = ctx.saved_tensors
     x_s, w_s, grad_s = ctx.scales
-    # Quantise here, outside the opaque op: this rule is traced into the compiled backward graph, so Inductor
-    # fuses the e5m2 cast into the kernel that produces grad_out (the softcap/cross-entropy backward). Done
-    # eagerly inside the op, the passes over the (T, 50304) gradient would cost about a fifth of a stage-3 step.
-    # The gradient's transpose stays inside the op (transpose_bytes), on 1-byte data.
-    # (.float(): one rounding, fp32 -> e5m2, the same in eager and compiled mode; free once fused)
+    # Quantised here, outside the opaque op: this rule is traced into the compiled backward graph, so Inductor fuses
+    # the e5m2 cast into the kernel that produces grad_out instead of spending extra passes over (T, 50304).
     g_f8 = quantize_e5m2(grad_out, grad_s)
     grad_x, grad_w = torch.ops.speedrun.fp8_matmul_backward(g_f8, x_f8_t, w_f8_t, x_s, w_s, grad_s)
     return grad_x, grad_w, None, None, None
@@ -518,14 +514,11 @@ def launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math: bool, 
 
 
 class FP8LMHeadCrossEntropySum(torch.autograd.Function):
-    """Training head with the FP8 lm_head: sum over tokens of CE(30·sigmoid((x Wᵀ)/7.5), targets).
-
-    Forward: the FP8 matmul (custom op) and one Triton pass over the logits for the log-sum-exp, in place of
-    Inductor's reduction of softcap_ce_forward (bench/ce_kernel_bench.py times both). Backward: one Triton pass over
-    the logits writes the e5m2 gradient in both layouts the two FP8 GEMMs need, replacing the softcap/CE backward
-    kernel, its bf16 gradient tensor, the cast and the separate transpose of the unfused path (lm_head_fp8 +
-    softcapped_cross_entropy_sum, which computes the same function). Both passes use fast math (tanh.approx for the
-    softcap's sigmoid): it moves the e5m2 gradient far less than its own rounding does (tests/gpu measures it)."""
+    """Training head with the FP8 lm_head: sum over tokens of CE(30·sigmoid((x Wᵀ)/7.5), targets), the function of
+    lm_head_fp8 + softcapped_cross_entropy_sum in fewer passes. Forward: the FP8 matmul, then one Triton pass for the
+    log-sum-exp. Backward: one Triton pass writes the e5m2 gradient in both layouts the two FP8 GEMMs need (no bf16
+    gradient tensor, cast or transpose). Both use fast math (tanh.approx for the softcap's sigmoid), which moves
+    far fewer e5m2 bytes than their own rounding does (tests/gpu measures it against the record's gradient)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
@@ -616,14 +609,11 @@ if triton is not None:
                                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
                                     ROUND_BF16: tl.constexpr, FP8: tl.constexpr,
                                     FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
-        # Gradient of sum_t CE(30·sigmoid(logits_t/7.5), target_t) times grad, for one (BLOCK_T x BLOCK_V) tile:
-        #   g = grad·(softmax(z) - onehot)·dz/dlogit,  z = 30·s, s = sigmoid(logit/7.5), dz/dlogit = 4·s·(1-s)
-        # rounded to bf16 (the record's bf16 gradient), divided by grad_s and cast to e5m2, then stored twice: as
-        # (T, V) for dX and transposed as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous). One read of
-        # the logits and two 1-byte writes per element; both stores are coalesced (the transpose goes through
-        # shared memory). FP8=False stores the fp32 values instead (tests), ROUND_BF16=False skips the rounding.
-        # FAST_MATH: the sigmoid through tanh.approx (_softcap_sigmoid) and a multiplication by 1/grad_s instead of
-        # a division; the error it adds is far below the e5m2 rounding that follows.
+        # One (BLOCK_T x BLOCK_V) tile of grad·d/dlogits sum_t CE(30·sigmoid(logits_t/7.5), target_t):
+        #   g = grad·(softmax(z) - onehot)·4·s·(1-s),  z = 30·s, s = sigmoid(logit/7.5)
+        # rounded to bf16 (the record's gradient dtype), divided by grad_s, cast to e5m2 and stored as (T, V) for dX
+        # and as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous), both stores coalesced. FP8=False
+        # stores fp32 (tests); FAST_MATH: tanh.approx for the sigmoid and a multiplication by 1/grad_s.
         row0 = tl.program_id(0) * BLOCK_T
         col0 = tl.program_id(1) * BLOCK_V
         r = tl.arange(0, BLOCK_T)   # in-tile offsets stay int32; only the tile bases are 64-bit
@@ -706,10 +696,8 @@ def softcapped_cross_entropy_sum(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 class LMHead(nn.Module):
-    """Logits, softcap 30·sigmoid(logits/7.5) and cross-entropy: summed over tokens in training (the loop divides
-    by the accumulation steps), the mean in eval. Training uses the FP8 matmul when `fp8`; with `fused` the
-    cross-entropy's forward and backward are Triton passes (FP8LMHeadCrossEntropySum), else the same function in
-    separate ops."""
+    """Logits, softcap 30·sigmoid(logits/7.5) and cross-entropy: summed over tokens in training, the mean in eval.
+    Training uses the FP8 matmul when `fp8`, and with `fused` FP8LMHeadCrossEntropySum's Triton passes."""
 
     def __init__(self, dim: int, vocab_size: int, fp8: bool = False, fused: bool = True):
         super().__init__()
@@ -1152,10 +1140,8 @@ def resolve_attention_backend(requested: str, device_type: str) -> str:
 #                B = b·A + c·A·A     ns_line_2  ba_plus_cAA  (A symmetric, so A·A = A·Aᵀ: same scheme)
 #                X ← a·X + B·X       ns_line_3  ax_plus_bx   (accumulator starts at a·X; no baddbmm copy)
 #
-# The kernels match float64 to bf16 rounding and are faster than torch matmuls on the trainer's stacks (tests/gpu
-# and bench/RESULTS.md hold the figures); torch.compile(fullgraph=True) captures their launches.
-# Tile configs are NOT autotuned (the record's 36-config autotune per shape cost minutes of cold start): a small
-# deterministic rule, kernel_config(), picks them from the shape and dtype; a `tiles` argument overrides it.
+# The kernels match float64 to bf16 rounding and beat torch matmuls on the trainer's stacks (tests/gpu). Their tiles
+# are not autotuned (the record's 36-config autotune per shape cost minutes of cold start): kernel_config() picks them.
 
 POLAR_EXPRESS_COEFFS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -1175,12 +1161,6 @@ KERNEL_MIN_DIM = 64          # matrices with fewer rows (wide orientation) use t
                              # (6x12, 1x12) are pure launch latency, cuBLAS/inductor handle them as well
 _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Tile configurations.  kernel_config(kind, n, m, k, dtype) returns dict(BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-# num_stages) for kind in {"xxt", "ba_plus_cAA", "ax_plus_bx"}, where the operation is
-#   xxt:          (n, m, k) -> (n, m, m), reduction over k        ba_plus_cAA: (n, m, m) -> (n, m, m), k = m
-#   ax_plus_bx:   (n, m, m) x (n, m, k) -> (n, m, k), reduction over m
-# Overrides (tests, benchmarks): tiles={kind: {...}} or tiles={(kind, m, k): {...}} on xxt, ba_plus_cAA, ax_plus_bx;
-# missing keys fall back to the rule.  Symmetric kernels need BLOCK_M == BLOCK_N (the rule enforces it).
 _SMEM_BUDGET = 160 * 1024    # H100/H200 have 227 KB per block; keep room for the epilogue's layout conversion
 
 
@@ -1189,14 +1169,12 @@ def _pow2_at_least(x: int) -> int:
 
 
 def kernel_config(kind: str, n: int, m: int, k: int, dtype, tiles: dict = None) -> dict:
-    """Deterministic tile choice (no autotune), from a sweep of candidate configs on the trainer's shapes
-    (8|40, 768, 768) and (2|6|22, 768, 3072) on Hopper:
-    - 128x128 output tiles, BLOCK_K 64, 8 warps were best or close to best for all three kernels on every shape;
-      64x64 tiles were slower even when 128-tiles left SMs idle.
-    - stages: xxt / ba_plus_cAA 4, ax_plus_bx 3.  Shared memory: 4 x (128 + 128) x 64 x 2 B = 128 KB, under the
-      227 KB per block of Hopper.
-    - smaller matrices get 64 or the smallest tile tl.dot allows (16); stages shrink until the pipelined operand
-      tiles fit _SMEM_BUDGET (fp32 operands are twice as large).  n is accepted for overrides/future rules."""
+    """dict(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for kind xxt ((n, m, k) -> (n, m, m)), ba_plus_cAA
+    ((n, m, m) -> (n, m, m)) or ax_plus_bx ((n, m, m) x (n, m, k) -> (n, m, k)). A sweep on the trainer's shapes on
+    Hopper found 128x128 tiles, BLOCK_K 64, 8 warps best or close for all three (64x64 slower even where 128-tiles
+    left SMs idle), with 4 stages (3 for ax_plus_bx); smaller matrices get the smallest tile that covers them, and
+    stages shrink to fit _SMEM_BUDGET. tiles={kind: {...}} or {(kind, m, k): {...}} overrides (tests, benchmarks);
+    symmetric kernels keep BLOCK_N == BLOCK_M."""
     elsize = torch.empty((), dtype=dtype).element_size()
     sym = kind in ("xxt", "ba_plus_cAA")
     if kind == "ba_plus_cAA":
@@ -1489,12 +1467,9 @@ def _dist_world() -> tuple[int, int]:
 # ---- NorMuon per-shard math: small pure functions the trainer may torch.compile (dynamic=False) ----
 
 def normuon_second_moment(v: Tensor, second_moment: Tensor, beta2: float, dim: int) -> Tensor:
-    """NorMuon step 4: per-row (dim=-1) or per-column (dim=-2) RMS normalisation of the orthogonalized update.
-
-    v: (..., rows, cols) orthogonalized update (bf16 on CUDA). second_moment: running mean of v**2 along `dim`,
-    shape v.shape with `dim` reduced to 1, in the param's dtype, updated in place. Returns the normalised update in v's dtype;
-    each matrix keeps its Frobenius norm.
-    """
+    """Per-row (dim=-1) or per-column (dim=-2) RMS normalisation of the orthogonalized update v (..., rows, cols);
+    second_moment (v's shape with `dim` reduced to 1, the param's dtype): running mean of v², updated in place.
+    Each matrix keeps its Frobenius norm; returned in v's dtype."""
     vf = v.float()
     # fp32 arithmetic, one rounding into the buffer's dtype. Eagerly the update then reads the stored (rounded)
     # value; compiled, Inductor may use the unrounded one, as it does with the record's compiled lines.
@@ -1505,11 +1480,8 @@ def normuon_second_moment(v: Tensor, second_moment: Tensor, beta2: float, dim: i
 
 
 def cautious_update(p: Tensor, v: Tensor, lr_eff: Tensor, wd_eff: Tensor) -> None:
-    """In place: p <- p - lr_eff * (v + wd_eff * [v*p >= 0] * p), computed in fp32.
-
-    lr_eff, wd_eff: 0-D CPU float32 tensors (changing values never trigger a recompile).
-    The decay only acts on entries whose update already shrinks |p| (cautious weight decay).
-    """
+    """In place, in fp32: p <- p - lr_eff·(v + wd_eff·[v·p >= 0]·p): the decay acts only where the update already
+    shrinks |p|. lr_eff, wd_eff: 0-D CPU float32 tensors (a new value never recompiles)."""
     pf = p.float()
     vf = v.float()
     mask = (vf * pf >= 0).to(torch.float32)
@@ -1559,15 +1531,10 @@ class NorMuon(torch.optim.Optimizer):
     """Muon with Polar Express orthogonalization, NorMuon row normalisation and cautious weight decay, as in the
     December 2025 record.
 
-    Params are grouped (normuon_groups) and every group is split into W contiguous chunks of
-    ceil(size/W) params; rank r updates only its chunk. step(): reduce-scatter(AVG) the stacked grads of every
-    group, update the local shard, all-gather the updated params. Without a process group it runs locally.
-
-    Group keys: params, lr, weight_decay, momentum, beta2, label (group name), plus what the trainer adds
-    (initial_lr). Lazily created, per group: momentum_buffer (param dtype, local shard stacked),
-    second_momentum_buffer (param dtype), lr_eff / wd_eff (lists of 0-D CPU fp32 tensors, one per local param).
-    They disappear with load_state_dict of a state saved before the first step and are re-created as zeros.
-    """
+    Params are grouped (normuon_groups) and every group is split into W contiguous chunks of ceil(size/W) params;
+    rank r updates only its chunk. step(): reduce-scatter(AVG) the stacked grads of every group, update the local
+    shard, all-gather the updated params. Made at the first step, per group: momentum_buffer, second_momentum_buffer
+    (param dtype, the local shard stacked) and lr_eff / wd_eff (0-D CPU fp32 tensors, one per local param)."""
 
     def __init__(self, params, lr=0.023, weight_decay=1.2, momentum=0.95, beta2=0.95, orthogonalizer="polar"):
         if orthogonalizer not in ("polar", "turbo"):
@@ -1721,16 +1688,11 @@ class DistAdam(torch.optim.Optimizer):
     """ZeRO-1 Adam: every param is split along dim 0 into W equal slices; rank r keeps the Adam state of, and
     updates, rows [r*n/W, (r+1)*n/W), then all-gathers the param.
 
-    Gradients are reduce-scattered (AVG) by a post-accumulate-grad hook, but only while `self.should_sync` is
-    True (the trainer sets it before the last micro-batch backward of the steps on which it calls step()), into
-    one buffer per param that lives as long as the optimizer (a CUDA graph that captured the reduce-scatter
-    writes the same addresses at every replay). step() updates exactly the params with a pending reduce-scatter.
-    Without a process group (or W == 1) there are no collectives: step() uses p.grad of every param that has one.
-
-    Groups by label in the order lm_head, scalars, value_embed, embed, then everything else. Group keys:
-    params, lr, betas, eps, weight_decay, label (+ the trainer's initial_lr). State per param: step (int),
-    exp_avg, exp_avg_sq (slice shape, param dtype).
-    """
+    A post-accumulate-grad hook reduce-scatters (AVG) each gradient while `should_sync` is set (the trainer sets
+    it for the last backward before a step()), into a buffer that lives as long as the optimizer, so a CUDA graph
+    that captured the reduce-scatter writes the same addresses at every replay. step() updates exactly the params
+    with a pending reduce-scatter; with one process, those with a p.grad. Groups by label: lm_head, scalars,
+    value_embed, embed, other. State per param: step, exp_avg, exp_avg_sq (slice shape, param dtype)."""
 
     def __init__(self, params, lr=0.008, betas=(0.65, 0.95), eps=1e-8, weight_decay=0.0):
         params = [p for p in params]
@@ -1860,6 +1822,7 @@ class Yarn(nn.Module):
         rotating = (1 / 1024) ** torch.linspace(0, 1, steps=n, dtype=torch.float32)
         self.freqs = torch.cat([rotating, rotating.new_zeros(n)])
         self.attn_scale = 0.1
+        self.window = None  # the long window the tables are stretched for; set by the first set_window()
         self._write_tables()
 
     def _write_tables(self):
@@ -1867,6 +1830,12 @@ class Yarn(nn.Module):
         with torch.no_grad():  # copy in place so compiled graphs keep pointing at the same buffers
             self.cos.copy_(theta.cos())
             self.sin.copy_(theta.sin())
+
+    def set_window(self, window: int):
+        """Stretch the tables for a new long attention window (the first call only records it)."""
+        if self.window is not None and window != self.window:
+            self.stretch(self.window, window)
+        self.window = window
 
     def stretch(self, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0):
         """Stretch the slow frequencies by old/new window (fast ones kept) and raise the softmax scale."""
@@ -2855,12 +2824,9 @@ class Trainer:
                                      opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
         table = stages(a)
         batches = self.new_batches(table[0].batch_size)
-        previous = None
         for stage in table:
             t = time.time()
-            if previous is not None:
-                self.model.yarn.stretch(previous, stage.ws_long)
-            previous = stage.ws_long
+            self.model.yarn.set_window(stage.ws_long)
             for k in range(a.warmup_steps_per_stage):
                 self.train_step(k, batches, (stage.batch_size, a.train_max_seq_len, self.rt.grad_accum_steps),
                                 stage.ws_short, stage.ws_long, micro_batches=1)
@@ -2877,12 +2843,10 @@ class Trainer:
             self.adam.step()  # an odd number of warm-up steps leaves reduce-scatters in flight
         self.model.zero_grad(set_to_none=True)
         self.model.yarn.reset()
-        previous = None
         windows = eval_windows(a)
         for i, (short, long) in enumerate(windows):
-            if previous is not None and i < len(windows) - 1:  # the final validation widens without YaRN
-                self.model.yarn.stretch(previous, long)
-            previous = long
+            if i < len(windows) - 1:  # the final validation widens the window without a YaRN update
+                self.model.yarn.set_window(long)
             t = time.time()
             self.evaluate(short, long, max_steps=1)
             seconds = time.time() - t
@@ -2904,7 +2868,6 @@ class Trainer:
         total = a.num_iterations
         table = stages(a)
         batches = self.new_batches(table[0].batch_size)
-        current_long = table[0].ws_long
         previous_bs = table[0].batch_size
         switch_steps = {s.first_step for s in table if s.first_step < total}
         training_time_ms = 0.0
@@ -2918,9 +2881,7 @@ class Trainer:
                 ws_short, ws_long = stage.ws_short, stage.ws_long
                 if step in switch_steps:
                     log(schedule_line(step, a))
-                if ws_long != current_long:
-                    self.model.yarn.stretch(current_long, ws_long)
-                    current_long = ws_long
+                self.model.yarn.set_window(ws_long)
                 if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
                     synchronize(self.rt.device)
                     if step > 0:  # before step 0 nothing has trained: a slow log write is not training time

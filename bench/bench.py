@@ -314,12 +314,10 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
     numbers in profile_stages, one profiled step written to <profile_stem>_stage<N>.txt (GPU busy/idle, top kernels,
     host time by op). reference: ms per step of the record script per stage number, where comparable."""
     rt = trainer.rt
-    rows, previous_long, step = [], args.ws_schedule[0], 0
+    rows, step = [], 0
     for stage_no, stage in enumerate(tg.stages(args), start=1):  # the extension is number 4: no reference
         name, bs = stage.name, stage.batch_size
-        if stage.ws_long != previous_long:
-            trainer.model.yarn.stretch(previous_long, stage.ws_long)
-            previous_long = stage.ws_long
+        trainer.model.yarn.set_window(stage.ws_long)
         batches = trainer.new_batches(bs)
         torch.cuda.reset_peak_memory_stats()
 
@@ -386,14 +384,12 @@ def check_cuda_graphs(trainer, args) -> dict:
         return dict(identical=all(torch.equal(x, y) for x, y in zip(a, b)), max_abs=diff.abs().max().item(),
                     rel_norm=(diff.norm() / torch.cat([y.flatten() for y in b]).norm()).item())
 
-    rows, previous_long = [], args.ws_schedule[0]
+    rows = []
     model.yarn.reset()
     try:
         with tg.no_compiles_allowed():
             for stage in tg.stages(args):
-                if stage.ws_long != previous_long:
-                    model.yarn.stretch(previous_long, stage.ws_long)
-                    previous_long = stage.ws_long
+                model.yarn.set_window(stage.ws_long)
                 grads, losses = {}, {}
                 for name in ("eager", "graphs", "eager_again", "graphs_again"):
                     trainer.graphs = graphs if name.startswith("graphs") else None

@@ -41,11 +41,9 @@ def train_steps(trainer, graphs, steps_per_stage: int = 1) -> tuple[list, list]:
     every micro-batch's loss."""
     trainer.graphs = graphs
     args, model = trainer.args, trainer.model
-    previous_long, step, losses = args.ws_schedule[0], 0, []
+    step, losses = 0, []
     for stage in tg.stages(args):
-        if stage.ws_long != previous_long:
-            model.yarn.stretch(previous_long, stage.ws_long)
-            previous_long = stage.ws_long
+        model.yarn.set_window(stage.ws_long)
         batches = trainer.new_batches(stage.batch_size)
         for _ in range(steps_per_stage):
             trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, trainer.rt.grad_accum_steps,
