@@ -91,8 +91,8 @@ setup_gpu() {
 
 compile_bytecode() {
     # pip writes Python bytecode when it installs, but some images ship torch without it (and with
-    # PYTHONDONTWRITEBYTECODE set, nothing writes it later): then every start of the trainer, and of each of its
-    # compile workers, compiles thousands of source files again (seconds each time). Once, here.
+    # PYTHONDONTWRITEBYTECODE set, nothing writes it later): then every rank of every start of the trainer
+    # compiles thousands of source files again (seconds each time). Once, here.
     local dirs
     dirs=$("$PY" -c 'import importlib.util as u, os  # package_dirs_for_bytecode
 for name in ("torch", "triton", "sympy", "numpy", "flash_attn", "quack", "cutlass"):

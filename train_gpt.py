@@ -339,14 +339,12 @@ def quantize_e4m3_reference(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
 
 
 @torch.library.custom_op("speedrun::fp8_matmul_backward", mutates_args=())
-def fp8_matmul_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float,
-                    grad_s: float) -> tuple[Tensor, Tensor]:
-    """dX and dW from operands already quantised (`*_t` are contiguous transposes): _scaled_mm wants a
-    row-major first operand and a column-major second one, so dW needs the (T, vocab) gradient transposed."""
-    return _fp8_grads(g_f8, transpose_bytes(g_f8), x_f8_t, w_f8_t, x_s, w_s, grad_s)
-
-
-def _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
+def fp8_matmul_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float, grad_s: float,
+                        g_f8_t: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """dX and dW from operands already quantised (`*_t` are contiguous transposes). _scaled_mm wants a row-major
+    first operand and a column-major second one, so dW needs the (T, vocab) gradient transposed: g_f8_t where the
+    caller has it (the fused softcap/cross-entropy backward writes both layouts in one pass), else made here."""
+    g_f8_t = transpose_bytes(g_f8) if g_f8_t is None else g_f8_t
     grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16,
                               scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(w_s, g_f8), use_fast_accum=False)
     # dW in the weight's own layout and dtype, (vocab, 768) bf16. The record computes (768, vocab) in fp32 and
@@ -358,25 +356,8 @@ def _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
     return grad_x, grad_w
 
 
-@torch.library.custom_op("speedrun::fp8_matmul_backward_pretransposed", mutates_args=())
-def fp8_matmul_backward_pretransposed(g_f8: Tensor, g_f8_t: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float,
-                                  w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
-    """fp8_matmul_backward for a caller that already has the (vocab, T) transpose of the gradient (the fused
-    softcap/cross-entropy backward writes both layouts in one pass)."""
-    return _fp8_grads(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s)
-
-
-@fp8_matmul_backward_pretransposed.register_fake
-def _(g_f8, g_f8_t, x_f8_t, w_f8_t, x_s, w_s, grad_s):
-    return _fp8_grads_fake(g_f8, x_f8_t, w_f8_t)
-
-
 @fp8_matmul_backward.register_fake
-def _(g_f8, x_f8_t, w_f8_t, x_s, w_s, grad_s):
-    return _fp8_grads_fake(g_f8, x_f8_t, w_f8_t)
-
-
-def _fp8_grads_fake(g_f8, x_f8_t, w_f8_t):
+def _(g_f8, x_f8_t, w_f8_t, x_s, w_s, grad_s, g_f8_t=None):
     return (g_f8.new_empty((g_f8.size(0), w_f8_t.size(0)), dtype=torch.bfloat16),
             g_f8.new_empty((g_f8.size(1), x_f8_t.size(0)), dtype=torch.bfloat16))
 
@@ -532,8 +513,8 @@ class FP8LMHeadCrossEntropySum(torch.autograd.Function):
         logits, targets, lse, x_f8_t, w_f8_t = ctx.saved_tensors
         g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE,
                                                               list(CE_BACKWARD_TILE), True)
-        grad_x, grad_w = torch.ops.speedrun.fp8_matmul_backward_pretransposed(
-            g_f8, g_f8_t, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
+        grad_x, grad_w = torch.ops.speedrun.fp8_matmul_backward(
+            g_f8, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE, g_f8_t)
         return grad_x, grad_w, None
 
 
@@ -1575,15 +1556,11 @@ class NorMuon(torch.optim.Optimizer):
             self._layout.append(dict(size=size, chunk=chunk, lo=lo, hi=hi, is_attn=is_attn,
                                      reduce_dim=normuon_reduce_dim(local_label, shape)))
 
-    def compile_helpers(self, enabled: bool = True):
+    def compile_helpers(self):
         """Route the per-shard math through torch.compile(dynamic=False) (CUDA); compilation happens on first use."""
-        if enabled:
-            self._orthogonalize_fn = torch.compile(polar_express, dynamic=False, fullgraph=True)
-            self._second_moment_fn = torch.compile(normuon_second_moment, dynamic=False, fullgraph=True)
-            self._cautious_update_fn = torch.compile(cautious_update, dynamic=False, fullgraph=True)
-        else:
-            self._orthogonalize_fn = polar_express
-            self._second_moment_fn, self._cautious_update_fn = normuon_second_moment, cautious_update
+        self._orthogonalize_fn = torch.compile(polar_express, dynamic=False, fullgraph=True)
+        self._second_moment_fn = torch.compile(normuon_second_moment, dynamic=False, fullgraph=True)
+        self._cautious_update_fn = torch.compile(cautious_update, dynamic=False, fullgraph=True)
         return self
 
     @torch.no_grad()
@@ -1721,9 +1698,9 @@ class DistAdam(torch.optim.Optimizer):
         self._step_size = torch.zeros((), dtype=torch.float32)  # CPU scalar fed to the (compiled) update
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in params]
 
-    def compile_helpers(self, enabled: bool = True):
+    def compile_helpers(self):
         """Route the per-param update through torch.compile(dynamic=False) (CUDA), as the record does."""
-        self._update_fn = torch.compile(adam_update, dynamic=False, fullgraph=True) if enabled else adam_update
+        self._update_fn = torch.compile(adam_update, dynamic=False, fullgraph=True)
         return self
 
     def _slice_rows(self, p: Tensor) -> tuple[int, int]:
@@ -3157,8 +3134,9 @@ def setup_process_group(rt: Runtime):
 RECOMPILE_LIMIT = 64  # graphs per code object (a train and an eval graph each; a few more for tests)
 
 
-def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
-    """The model on this process's device, compiled per region."""
+def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
+    """The model on this process's device (rank 0's initialisation on every rank, compiled per region) and its two
+    optimizers."""
     micro_batches = rt.grad_accum_steps * rt.world_size  # per step, over all ranks
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
     model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
@@ -3166,12 +3144,6 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     if rt.compile:
         model.compile_regions(dynamic=False, fullgraph=True)
-    return model
-
-
-def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
-    """The model (rank 0's initialisation on every rank, compiled per region) and its two optimizers."""
-    model = build_model(args, rt)
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)

@@ -2,7 +2,7 @@
 
     r = run_group(cmd, timeout=60, cwd=..., env=...)   # a CompletedProcess; raises subprocess.TimeoutExpired
 
-subprocess.run kills only its direct child on a timeout: torchrun's workers, or a trainer's compile workers, would
+subprocess.run kills only its direct child on a timeout: torchrun's workers would
 live on after the test, holding cores that the rest of the suite needs. Here the command starts a new session
 (its own process group), and on a timeout, or once it has exited, every process left in that group is killed.
 Every group started is remembered, so that the suite can check at its end that none is left (conftest.py).
