@@ -3007,8 +3007,8 @@ class Runtime:
         return (f'Run config: world_size={self.world_size} grad_accum_steps={self.grad_accum_steps} '
                 f'device={self.device} attn_backend={self.attn_backend} orthogonalizer={args.orthogonalizer} '
                 f'fp8={int(self.fp8)} compile={int(self.compile)} fused_fp8_head={int(fused_head)} '
-                f'mlp_kernel={self.mlp_kernel} cuda_graphs={int(self.cuda_graphs)} bf16_gemms_in_fp32={int(self.bf16_gemms_in_fp32)} '
-                f'data_path={args.data_path} '
+                f'mlp_kernel={self.mlp_kernel} cuda_graphs={int(self.cuda_graphs)} '
+                f'bf16_gemms_in_fp32={int(self.bf16_gemms_in_fp32)} data_path={args.data_path} '
                 f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
 
@@ -3034,10 +3034,6 @@ def pick_device(args: Hyperparameters) -> str:
     raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
 
 
-def compile_enabled(args: Hyperparameters, device: str) -> bool:
-    return args.compile == "on" or (args.compile == "auto" and device == "cuda")
-
-
 def resolve_cuda_graphs(args: Hyperparameters, device: str, use_compile: bool) -> bool:
     if args.cuda_graphs == "on":
         if device != "cuda":
@@ -3053,20 +3049,19 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
     if device != args.device and device == "cpu" and int(env.get("RANK", 0)) == 0:
         print("note: no CUDA device found, so the smoke run trains on the CPU (--device cpu says so and silences "
               "this)", file=sys.stderr, flush=True)
-    use_compile = compile_enabled(args, device)
+    use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
     if args.fp8 == "on" and device != "cuda":
         raise ConfigError("--fp8 on needs a CUDA GPU (FP8 matmuls); use --fp8 auto or off on the CPU")
     backend = resolve_attention_backend(args.attn_backend, device)
     if use_compile and backend == "reference":
         raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
-    rt = Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
+    return Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
                    world_size=world_size, launched="RANK" in env, grad_accum_steps=grad_accum_steps_for(world_size),
-                   attn_backend=backend,
-                   compile=use_compile, fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
+                   attn_backend=backend, compile=use_compile,
+                   fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
                    mlp_kernel=resolve_mlp_kernel(args.mlp_kernel, device),
                    cuda_graphs=resolve_cuda_graphs(args, device, use_compile),
                    bf16_gemms_in_fp32=device == "cpu" and not use_compile and not native_bf16_gemms())
-    return rt
 
 
 def check_log_dir(folder: Path) -> None:
