@@ -128,7 +128,7 @@ class Hyperparameters:
     device: str = setting("auto", "where to train; auto: CUDA when visible, else the CPU for --smoke and an error "
                                   "otherwise", ("auto", "cuda", "cpu"))
     attn_backend: str = setting("auto", "attention kernels; auto: FlashAttention-4 (pip install flash-attn-4; "
-                                        "Hopper/Blackwell), then PyTorch's FA2 varlen (the record's arithmetic), "
+                                        "Hopper/Blackwell), then PyTorch's FA2 varlen (closest to the record's FA3), "
                                         "then the reference (CPU)", ("auto", "fa4", "varlen", "reference"))
     compile: str = setting("auto", "torch.compile the model and optimizer helpers; auto: on for CUDA",
                            ("auto", "on", "off"))
@@ -2076,7 +2076,7 @@ class GPT(nn.Module):
         tag(self.scalars, "scalars", 5.0)
         self.attn_fn = ATTENTION_BACKENDS[attn_backend]
         self.qkv_attn_fn = attention_fa4_qkv if attn_backend == "fa4" and triton is not None else None
-        self._trunk, self._head = self.trunk, self.head  # compiled by compile_regions()
+        self._trunk, self._head, self.is_compiled = self.trunk, self.head, False  # see compile_regions()
 
     def compile_regions(self, **options):
         """torch.compile the trunk and the head as two regions (same options as one whole-model compile): the
@@ -2084,17 +2084,17 @@ class GPT(nn.Module):
         while the trunk's backward is still computing."""
         self._trunk = torch.compile(self.trunk, **options)
         self._head = torch.compile(self.head, **options)
+        self.is_compiled = True
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
                 max_seqlen: int) -> Tensor:
         """The loss (summed over tokens in training, the mean in eval)."""
         attn_params = self.attention_params(ws_short, ws_long)
-        compiled = self._trunk is not self.trunk
-        if compiled:  # one graph for every micro-batch length (and cu_seqlens length)
+        if self.is_compiled:  # one graph for every micro-batch length (and cu_seqlens length)
             for t in (input_seq, target_seq, cu_seqlens):
                 torch._dynamo.mark_dynamic(t, 0)
         x = self._trunk(input_seq, cu_seqlens, attn_params, max_seqlen)
-        if compiled:
+        if self.is_compiled:
             torch._dynamo.mark_dynamic(x, 0)
         return self._head(x, target_seq)
 

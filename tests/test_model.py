@@ -350,6 +350,20 @@ def _compiled_backward_nodes(loss):
     return [n for n in order if "CompiledFunction" in type(n).__name__]
 
 
+def test_only_a_compiled_model_marks_the_token_dimension_dynamic():
+    """Compiled, the batch tensors' token dimension is marked dynamic (one graph for every micro-batch length);
+    eager, the inputs are left as they are."""
+    m = make_model(seed=4, max_seq_len=128)
+    m.attn_fn = _value_passthrough_attention
+    inputs, targets, cu = random_batch(128, seed=6)
+    m(inputs, targets, cu, 1, 3, 128)
+    assert not any(hasattr(t, "_dynamo_dynamic_indices") for t in (inputs, targets, cu))
+    m.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
+    m(inputs, targets, cu, 1, 3, 128)
+    torch._dynamo.reset()
+    assert all(0 in t._dynamo_dynamic_indices for t in (inputs, targets, cu))
+
+
 def test_compiled_regions_give_lm_head_its_own_backward_graph_that_runs_before_the_trunk():
     """DistAdam's lm_head reduce-scatter can only overlap the trunk's backward if lm_head's gradient comes out of a
     separate, earlier backward graph (a whole-model compile would release every gradient at the very end)."""
