@@ -1821,6 +1821,7 @@ class Yarn(nn.Module):
         ratio = old_window / new_window
         self.freqs = self.freqs * (ratio + gamma * (1 - ratio))
         self.attn_scale *= 1 + 0.2 * math.log(new_window / old_window)
+        self.window = new_window  # what set_window compares against, also after a direct call
         self._write_tables()
 
     def rotate(self, x: Tensor) -> Tensor:  # x: (T, heads, head_dim)

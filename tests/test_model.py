@@ -82,6 +82,20 @@ def test_yarn_base_frequencies():
     torch.testing.assert_close(y.sin.double(), torch.sin(pos * expected), atol=8e-3, rtol=0)
 
 
+def test_yarn_set_window_stretches_only_on_a_change_and_follows_direct_stretches():
+    y = tg.Yarn(128, 256)
+    y.set_window(3)  # the first call only records the window
+    assert y.attn_scale == 0.1 and y.window == 3
+    y.set_window(3)
+    assert y.attn_scale == 0.1
+    y.stretch(3, 7)
+    scale = y.attn_scale
+    y.set_window(7)  # already there: a direct stretch moved the window too
+    assert y.attn_scale == scale and y.window == 7
+    y.set_window(11)
+    assert y.attn_scale > scale and y.window == 11
+
+
 def test_yarn_attn_scale_sequence_and_reset():
     y = tg.Yarn(128, 256)
     fresh = (y.freqs.clone(), y.cos.clone(), y.sin.clone())
