@@ -39,7 +39,6 @@ import functools
 import gc
 import getpass
 import glob
-import itertools
 import math
 import subprocess
 import sys
@@ -140,8 +139,8 @@ class Hyperparameters:
                                       "Hopper/Blackwell; each attention output projection then adds its residual in "
                                       "a quack GEMM's epilogue too) or Inductor's (cuBLAS + fused pointwise); auto: "
                                       "quack where it imports on such a GPU", ("auto", "quack", "inductor"))
-    cuda_graphs: str = setting("auto", "replay each training micro-batch and the optimizers' update (with their "
-                                       "NCCL collectives) as CUDA graphs, captured in the warm-up; auto: on with "
+    cuda_graphs: str = setting("auto", "replay each training micro-batch (forward, backward and its NCCL "
+                                       "reduce-scatters) as one CUDA graph, captured in the warm-up; auto: on with "
                                        "CUDA and torch.compile; off: the eager path, for debugging and A/B timing",
                                ("auto", "on", "off"))
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
@@ -1446,23 +1445,6 @@ def _dist_world() -> tuple[int, int]:
     return 1, 0
 
 
-class DeviceScalars:
-    """Numbers the host sets every step (learning rates, momentum, Adam's bias correction) as 0-D float32 tensors on
-    the params' device: kernels read them from memory, so a CUDA graph's replay uses this step's values and a
-    compiled update never recompiles for a new one. load() writes them all with one copy (staged in pinned memory on
-    a GPU, so it queues behind the running kernels instead of waiting for them) and one kernel that spreads them
-    into tensors of their own (aligned, as compiled kernels expect their inputs)."""
-
-    def __init__(self, n: int, device):
-        self.packed = torch.zeros(n, dtype=torch.float32, device=device)
-        self.tensors = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(n)]
-
-    def load(self, values: list) -> None:
-        assert len(values) == len(self.tensors), (len(values), len(self.tensors))
-        self.packed.copy_(torch.tensor(values, dtype=torch.float32, pin_memory=self.packed.is_cuda), non_blocking=True)
-        torch._foreach_copy_(self.tensors, list(self.packed.unbind(0)))
-
-
 # ---- NorMuon per-shard math: small pure functions the trainer may torch.compile (dynamic=False) ----
 
 def normuon_second_moment(v: Tensor, second_moment: Tensor, beta2: float, dim: int) -> Tensor:
@@ -1480,7 +1462,7 @@ def normuon_second_moment(v: Tensor, second_moment: Tensor, beta2: float, dim: i
 
 def cautious_update(p: Tensor, v: Tensor, lr_eff: Tensor, wd_eff: Tensor) -> None:
     """In place, in fp32: p <- p - lr_eff·(v + wd_eff·[v·p >= 0]·p): the decay acts only where the update already
-    shrinks |p|. lr_eff, wd_eff: 0-D float32 tensors (DeviceScalars)."""
+    shrinks |p|. lr_eff, wd_eff: 0-D CPU float32 tensors (a new value never recompiles)."""
     pf = p.float()
     vf = v.float()
     mask = (vf * pf >= 0).to(torch.float32)
@@ -1531,10 +1513,9 @@ class NorMuon(torch.optim.Optimizer):
     December 2025 record.
 
     Params are grouped (normuon_groups) and every group is split into W contiguous chunks of ceil(size/W) params;
-    rank r updates only its chunk. step() = prepare_step() (host: this step's momentum and learning rates into
-    device scalars) + update() (device only, so a CUDA graph can replay it): reduce-scatter(AVG) the stacked grads
-    of every group, update the local shard, all-gather the updated params. Made at the first step, per group:
-    momentum_buffer and second_momentum_buffer (param dtype, the local shard stacked)."""
+    rank r updates only its chunk. step(): reduce-scatter(AVG) the stacked grads of every group, update the local
+    shard, all-gather the updated params. Made at the first step, per group: momentum_buffer, second_momentum_buffer
+    (param dtype, the local shard stacked) and lr_eff / wd_eff (0-D CPU fp32 tensors, one per local param)."""
 
     def __init__(self, params, lr=0.023, weight_decay=1.2, momentum=0.95, beta2=0.95, orthogonalizer="polar"):
         if orthogonalizer not in ("polar", "turbo"):
@@ -1574,11 +1555,6 @@ class NorMuon(torch.optim.Optimizer):
             local_label = next(iter(local_labels)) if len(local_labels) == 1 else None
             self._layout.append(dict(size=size, chunk=chunk, lo=lo, hi=hi, is_attn=is_attn,
                                      reduce_dim=normuon_reduce_dim(local_label, shape)))
-        # Per group beta and 1 - beta, then lr_eff and wd_eff of each local param: device scalars prepare_step writes
-        sizes = [2 + 2 * (layout["hi"] - layout["lo"]) for layout in self._layout]
-        self._scalars = DeviceScalars(sum(sizes), params[0].device)
-        ends = list(itertools.accumulate(sizes))
-        self._group_scalars = [self._scalars.tensors[end - n:end] for n, end in zip(sizes, ends)]
 
     def compile_helpers(self):
         """Route the per-shard math through torch.compile(dynamic=False) (CUDA); compilation happens on first use."""
@@ -1595,34 +1571,17 @@ class NorMuon(torch.optim.Optimizer):
                 if key in group:
                     group[key].zero_()
 
-    def prepare_step(self):
-        """This step's momentum and learning rates (the groups' values, which the schedules set) into the scalars
-        update() reads, with one copy to the device."""
-        values = []
-        for group, layout in zip(self.param_groups, self._layout):
-            lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
-            values += [beta, 1.0 - beta]
-            for p in group["params"][layout["lo"]:layout["hi"]]:
-                values += [lr * normuon_lr_factor(p), lr * wd * float(getattr(p, "wd_mul", 1.0))]
-        self._scalars.load(values)
-
-    def _update_shard(self, group, layout, grads: Tensor, scalars: list):
-        """Update the rank's params group["params"][lo:hi] in place from their averaged grads (n, rows, cols);
-        scalars: beta, 1 - beta, then lr_eff and wd_eff of each."""
+    def _update_shard(self, group, layout, grads: Tensor):
+        """Update the rank's params group["params"][lo:hi] in place from their averaged grads (n, rows, cols)."""
         local = group["params"][layout["lo"]:layout["hi"]]
         n = len(local)
         rows, cols = grads.shape[-2:]
-        beta, one_minus_beta = scalars[:2]
+        beta = group["momentum"]
         if "momentum_buffer" not in group:
             group["momentum_buffer"] = torch.zeros_like(grads)
         buf = group["momentum_buffer"]
-        # (1-beta) g + beta M (Nesterov-style), in fp32 with one rounding into the buffer's dtype as ATen's lerp
-        # computes it for bf16 (the gates); a device tensor weight, so that a graph replay reads this step's beta
-        buf32, grads32 = buf.float(), grads.float()
-        buf32.lerp_(grads32, one_minus_beta)
-        if buf32 is not buf:
-            buf.copy_(buf32)
-        u = grads32.lerp(buf.float(), beta).to(grads.dtype)
+        buf.lerp_(grads, 1.0 - beta)
+        u = grads.lerp(buf, beta)                        # (1-beta) g + beta M  (Nesterov-style)
         if layout["is_attn"]:
             u = u.view(4 * n, rows // 4, cols)           # Wq, Wk, Wv, Wo separately
         v = self._orthogonalize_fn(u, turbo=self.turbo)
@@ -1634,23 +1593,23 @@ class NorMuon(torch.optim.Optimizer):
             group["second_momentum_buffer"] = torch.zeros(stat_shape, dtype=grads.dtype, device=v.device)
         v = self._second_moment_fn(v, group["second_momentum_buffer"], group["beta2"], dim)
         v = v.view(n, rows, cols)
+        if "lr_eff" not in group:
+            group["lr_eff"] = [torch.zeros((), dtype=torch.float32) for _ in range(n)]
+            group["wd_eff"] = [torch.zeros((), dtype=torch.float32) for _ in range(n)]
+        lr, wd = group["lr"], group["weight_decay"]
         for i, p in enumerate(local):
-            self._cautious_update_fn(p, v[i], scalars[2 + 2 * i], scalars[3 + 2 * i])
+            group["lr_eff"][i].fill_(lr * normuon_lr_factor(p))
+            group["wd_eff"][i].fill_(lr * wd * float(getattr(p, "wd_mul", 1.0)))
+            self._cautious_update_fn(p, v[i], group["lr_eff"][i], group["wd_eff"][i])
 
     @torch.no_grad()
     def step(self):
-        self.prepare_step()
-        self.update()
-
-    @torch.no_grad()
-    def update(self):
-        """The step on the device, from the scalars prepare_step wrote: no host value goes into a kernel."""
-        W, scalars = self.world_size, self._group_scalars
+        W = self.world_size
         if W == 1:  # no process group (or a group of one): no collectives
-            for group, layout, own in zip(self.param_groups, self._layout, scalars):
+            for group, layout in zip(self.param_groups, self._layout):
                 ps = group["params"]
                 grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in ps])
-                self._update_shard(group, layout, grads, own)
+                self._update_shard(group, layout, grads)
             return
         # (1) launch every group's reduce-scatter, gate groups first
         scatters = []
@@ -1668,12 +1627,12 @@ class NorMuon(torch.optim.Optimizer):
             scatters.append((reduce_scatter(shard, stacked, op=dist.ReduceOp.AVG, async_op=True), shard))
         # (2) per group: wait, update the local shard, launch the all-gather of the updated params
         gathers = []
-        for group, layout, own, (work, shard) in zip(self.param_groups, self._layout, scalars, scatters):
+        for group, layout, (work, shard) in zip(self.param_groups, self._layout, scatters):
             work.wait()
             ps, lo, hi, chunk = group["params"], layout["lo"], layout["hi"], layout["chunk"]
             n = hi - lo
             if n > 0:
-                self._update_shard(group, layout, shard[:n], own)
+                self._update_shard(group, layout, shard[:n])
             send = torch.empty_like(shard)
             for i, p in enumerate(ps[lo:hi]):
                 send[i].copy_(p)
@@ -1693,9 +1652,9 @@ class NorMuon(torch.optim.Optimizer):
 
 def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor,
                 beta1: float, beta2: float, eps: float) -> None:
-    """One bias-corrected Adam step on a param slice, in place; step_size = lr*sqrt(1-b2^t)/(1-b1^t), a 0-D float32
-    tensor (DeviceScalars). Compiled, it is one fused kernel per param instead of seven passes over 38.6M-element
-    tensors."""
+    """One bias-corrected Adam step on a param slice, in place; step_size = lr*sqrt(1-b2^t)/(1-b1^t) arrives as a
+    0-D CPU tensor so a compiled version does not recompile as it changes. Compiled, it is one fused kernel per
+    param instead of seven passes over 38.6M-element tensors."""
     exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     # fp32 arithmetic and one rounding into p's dtype (what addcdiv_ does eagerly)
@@ -1703,18 +1662,16 @@ def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_
 
 
 class DistAdam(torch.optim.Optimizer):
-    """ZeRO-1 Adam without weight decay (the record's): every param is split along dim 0 into W equal slices; rank
-    r keeps the Adam state of, and updates, rows [r*n/W, (r+1)*n/W), then all-gathers the param.
+    """ZeRO-1 Adam: every param is split along dim 0 into W equal slices; rank r keeps the Adam state of, and
+    updates, rows [r*n/W, (r+1)*n/W), then all-gathers the param.
 
     A post-accumulate-grad hook reduce-scatters (AVG) each gradient while `should_sync` is set (the trainer sets
     it for the last backward before a step()), into a buffer that lives as long as the optimizer, so a CUDA graph
-    that captured the reduce-scatter writes the same addresses at every replay. step() = prepare_step() (host:
-    which params step, their step counts and step sizes) + update() (device only, so a CUDA graph can replay it);
-    it updates exactly the params with a pending reduce-scatter, with one process those with a p.grad. Groups by
-    label: lm_head, scalars, value_embed, embed, other. State per param: step, exp_avg, exp_avg_sq (slice shape,
-    param dtype)."""
+    that captured the reduce-scatter writes the same addresses at every replay. step() updates exactly the params
+    with a pending reduce-scatter; with one process, those with a p.grad. Groups by label: lm_head, scalars,
+    value_embed, embed, other. State per param: step, exp_avg, exp_avg_sq (slice shape, param dtype)."""
 
-    def __init__(self, params, lr=0.008, betas=(0.65, 0.95), eps=1e-8):
+    def __init__(self, params, lr=0.008, betas=(0.65, 0.95), eps=1e-8, weight_decay=0.0):
         params = [p for p in params]
         if not params:
             raise ValueError("DistAdam got an empty parameter list")
@@ -1732,15 +1689,13 @@ class DistAdam(torch.optim.Optimizer):
         groups = [dict(params=buckets[lab], label=lab) for lab in DISTADAM_LABEL_ORDER if lab in buckets]
         if None in buckets:
             groups.append(dict(params=buckets[None], label="other"))
-        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(groups, defaults)
         self.should_sync = False
         self._pending = {}      # param -> its reduce-scatter's async work, or None once the stream waits for it
         self._grad_slices = {}  # param -> this rank's slice of its averaged gradient
-        self.stepping = []      # the params this step updates (prepare_step)
         self._update_fn = adam_update
-        ordered = [p for group in self.param_groups for p in group["params"]]
-        self._scalars = DeviceScalars(len(ordered), ordered[0].device)
-        self._step_size = dict(zip(ordered, self._scalars.tensors))
+        self._step_size = torch.zeros((), dtype=torch.float32)  # CPU scalar fed to the (compiled) update
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in params]
 
     def compile_helpers(self):
@@ -1776,63 +1731,42 @@ class DistAdam(torch.optim.Optimizer):
         self._pending.update(dict.fromkeys(params))
 
     @torch.no_grad()
-    def reset(self):
-        """Every param back to its first step: zero moments, step 0 (after the kernel warm-up)."""
-        for state in self.state.values():
-            state["step"] = 0
-            state["exp_avg"].zero_()
-            state["exp_avg_sq"].zero_()
-
-    @torch.no_grad()
     def step(self):
-        self.prepare_step()
-        self.update()
-
-    @torch.no_grad()
-    def prepare_step(self):
-        """Which params this step updates (the current stream waits for their reduce-scatters), their state (made
-        at the first step), step counts and step sizes."""
-        if self.world_size > 1:
-            self.stepping = self.join_reduce_scatters()
-            self._pending.clear()
-        else:
-            self.stepping = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        stepping = set(self.stepping)
-        values = []
-        for group in self.param_groups:
-            lr, (beta1, beta2) = group["lr"], group["betas"]
-            for p in group["params"]:
-                state = self.state[p]
-                if p in stepping:
-                    if not state:
-                        lo, hi = self._slice_rows(p)
-                        state.update(step=0, exp_avg=torch.zeros_like(p[lo:hi]), exp_avg_sq=torch.zeros_like(p[lo:hi]))
-                    state["step"] += 1
-                t = state.get("step", 0)
-                lr_p = lr * float(getattr(p, "lr_mul", 1.0))
-                values.append(lr_p * math.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t) if t else 0.0)
-        self._scalars.load(values)
-
-    @torch.no_grad()
-    def update(self):
-        """The step on the device, from what prepare_step set: no host value that changes goes into a kernel."""
         distributed = self.world_size > 1
         gathers = []
-        stepping = set(self.stepping)
         for group in self.param_groups:
-            (beta1, beta2), eps = group["betas"], group["eps"]
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
-                if p not in stepping:
-                    continue
-                g = self._grad_slices[p] if distributed else p.grad
-                lo, hi = self._slice_rows(p)
-                state = self.state[p]
-                self._update_fn(p[lo:hi], g, state["exp_avg"], state["exp_avg_sq"], self._step_size[p],
-                                beta1, beta2, eps)
                 if distributed:
-                    gathers.append(all_gather(p, p[lo:hi], async_op=True))
+                    if p not in self._pending:
+                        continue
+                    work = self._pending.pop(p)
+                    if work is not None:
+                        work.wait()
+                    g = self._grad_slices[p]
+                else:
+                    g = p.grad
+                    if g is None:
+                        continue
+                lo, hi = self._slice_rows(p)
+                p_slice = p[lo:hi]
+                lr_p = lr * float(getattr(p, "lr_mul", 1.0))
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p_slice)
+                    state["exp_avg_sq"] = torch.zeros_like(p_slice)
+                if wd != 0:
+                    p_slice.mul_(1.0 - lr_p * wd * float(getattr(p, "wd_mul", 1.0)))
+                state["step"] += 1
+                t = state["step"]
+                self._step_size.fill_(lr_p * math.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t))
+                self._update_fn(p_slice, g, state["exp_avg"], state["exp_avg_sq"], self._step_size, beta1, beta2, eps)
+                if distributed:
+                    gathers.append(all_gather(p, p_slice, async_op=True))
         for work in gathers:
             work.wait()
+        self._pending.clear()
 
 
 # =====================================================================================
@@ -2595,21 +2529,19 @@ def nvidia_smi() -> str:
         return "nvidia-smi: not available\n"
 
 
-# --- CUDA graphs of the training step ---
+# --- CUDA graphs of the training micro-batch ---
 # At stage 1 the host needs about as long to launch a micro-batch's few hundred kernels (most of them Inductor's) as
-# the GPU needs to run them, and on 8 GPUs a rank's step is one micro-batch and the optimizers. A CUDA graph records
-# the launches once, every kernel library's included, and replays them with one call: each micro-batch's forward and
-# backward is one graph, the optimizers' update another. A replay reads and writes the addresses it was captured
-# with, so the graphs keep their own copies of the batch tensors and one set of gradients that every backward
-# accumulates into; their temporaries live in one memory pool of their own (shared: the graphs never run at the same
-# time and leave nothing alive in it). What a launch takes as a host value is frozen at capture: the tokens per
-# micro-batch, the windows and YaRN's softmax scale (all in the key); the loss's divisor, the learning rates, the
-# momentum and Adam's step sizes are read from device tensors instead. With several processes the micro-batch that
-# ends an Adam step launches DistAdam's reduce-scatters from its backward's gradient hooks, and the update launches
-# NorMuon's reduce-scatters and both optimizers' all-gathers: NCCL's collectives can be captured (NCCL 2.9+) when every
-# rank captures and replays the same graphs in the same order, which the keys guarantee (the same shapes, windows and
-# step position on every rank). A capture ends by joining NCCL's stream, so a replay leaves the collectives' results
-# where the next kernels read them.
+# the GPU needs to run them, so the step follows the CPU's speed. A CUDA graph records the launches of one
+# micro-batch's forward and backward once, every kernel library's included, and replays them with one call. A replay
+# reads and writes the addresses it was captured with, so the graphs keep their own copies of the batch tensors and
+# one set of gradients that every backward accumulates into; their temporaries live in one memory pool of their own
+# (shared: the graphs never run at the same time and leave nothing alive in it). What a launch takes as a host value
+# is frozen at capture: the tokens per micro-batch, the windows and YaRN's softmax scale (all in the key); the loss's
+# divisor (micro-batches per step) is read from a tensor instead. With several processes, the micro-batch that ends
+# an Adam step launches DistAdam's reduce-scatters from its backward's gradient hooks: NCCL's collectives can be
+# captured (NCCL 2.9+) when every rank captures and replays the same graphs in the same order, which the keys
+# guarantee (the same shapes, windows and step position on every rank). Such a graph is a key of its own, and its
+# capture ends by joining NCCL's stream, so a replay leaves the averaged gradients where DistAdam's step reads them.
 
 class CudaGraph:
     """torch.cuda.CUDAGraph, captured on a side stream right after one eager run there that does the micro-batch's
@@ -2642,11 +2574,11 @@ class CudaGraph:
                    if tuple(seg.get("segment_pool_id", ())) == pool)
 
 
-class TrainingGraphs:
-    """The training step as graphs, one per key: a micro-batch's (batch shapes, windows, softmax scale, and whether it
-    launches DistAdam's reduce-scatters) and the optimizers' update (with or without Adam). A key's first run is the
-    caller's to run eagerly (it may compile), its second is captured (the eager run before the capture does its
-    work), the later ones replay. new_graph: the graph type (tests replace CUDA's)."""
+class MicroBatchGraphs:
+    """Training micro-batches run as graphs, one per key (batch shapes, windows, softmax scale, and whether it
+    launches DistAdam's reduce-scatters). A key's first micro-batch runs eagerly (it may compile), its second is
+    captured (the eager run before the capture does its work), the later ones replay. new_graph: the graph type
+    (tests replace CUDA's)."""
 
     def __init__(self, model: nn.Module, adam: "DistAdam", new_graph=CudaGraph):
         self.model, self.adam, self.new_graph = model, adam, new_graph
@@ -2680,24 +2612,14 @@ class TrainingGraphs:
         if zero:
             torch._foreach_zero_(zero)
 
-    def _first_run(self, key) -> bool:
-        if key in self.seen:
-            return False
-        self.seen.add(key)
-        return True
-
-    def _capture(self, key, fn, static: tuple = (), reduced: list = None):
-        graph = self.new_graph()
-        graph.capture(fn)
-        self.graphs[key] = (graph, static, reduced if reduced is not None else [])
-        self.captures += 1
-
     def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward) -> bool:
         """forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor): one micro-batch's forward and
         backward of loss / divisor, returning the loss (which a graph writes into self.loss). False: this micro-batch
         is for the caller to run eagerly (its key's first)."""
         key = self.key(batch, ws_short, ws_long)
-        if self._first_run(key):
+        entry = self.graphs.get(key)
+        if entry is None and key not in self.seen:
+            self.seen.add(key)
             return False
         self.attach_grads()
         if self.divisor is None:
@@ -2706,7 +2628,6 @@ class TrainingGraphs:
         if micro_batches != self.divisor_value:
             self.divisor.fill_(micro_batches)
             self.divisor_value = micro_batches
-        entry = self.graphs.get(key)
         if entry is None:
             static = tuple(t.clone() for t in batch)
             reduced = []
@@ -2714,7 +2635,11 @@ class TrainingGraphs:
             def micro_batch():
                 self.loss.copy_(forward_backward(*static, ws_short, ws_long, self.divisor))
                 reduced[:] = self.adam.join_reduce_scatters()
-            self._capture(key, micro_batch, static, reduced)
+
+            graph = self.new_graph()
+            graph.capture(micro_batch)
+            self.graphs[key] = (graph, static, reduced)
+            self.captures += 1
             return True
         graph, static, reduced = entry
         for mine, t in zip(static, batch):
@@ -2723,21 +2648,6 @@ class TrainingGraphs:
         if reduced:
             self.adam.reduce_scatters_replayed(reduced)
         self.replays += 1
-        return True
-
-    def run_update(self, key: tuple, update) -> bool:
-        """update(): the optimizers' device work for this step, its scalars already loaded. False: for the caller to
-        run eagerly (its key's first)."""
-        key = ("update", *key)
-        if self._first_run(key):
-            return False
-        self.attach_grads()
-        entry = self.graphs.get(key)
-        if entry is None:
-            self._capture(key, update)
-        else:
-            entry[0].replay()
-            self.replays += 1
         return True
 
 
@@ -2759,13 +2669,25 @@ def build_optimizers(model: GPT, args: Hyperparameters):
     gates = [p for n, p in model.named_parameters() if "gate" in n]
     adam_params = [model.scalars, model.lm_head.weight, model.embed.weight, *(ve.weight for ve in model.value_embeds)]
     assert {id(p) for p in hidden + gates + adam_params} == {id(p) for p in model.parameters()}
-    adam = DistAdam(adam_params, lr=args.adam_lr, betas=args.adam_betas, eps=args.adam_eps)
+    adam = DistAdam(adam_params, lr=args.adam_lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
     muon = NorMuon(hidden + gates, lr=args.muon_lr, weight_decay=args.muon_weight_decay,
                    momentum=args.muon_momentum_warmup[0], beta2=args.muon_beta2, orthogonalizer=args.orthogonalizer)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     return adam, muon
+
+
+def optimizer_step(step: int, model: nn.Module, adam, muon):
+    """NorMuon steps every step; Adam every other step on the gradient summed over two steps."""
+    if step % 2 == 0:
+        muon.step()
+        muon.zero_grad(set_to_none=True)
+    else:
+        adam.step()
+        muon.step()
+        model.zero_grad(set_to_none=True)
+        adam.should_sync = False
 
 
 @dataclass(frozen=True)
@@ -2798,7 +2720,7 @@ class Trainer:
     train_files: list
     val_file: str
     log: Logger
-    graphs: TrainingGraphs = None   # --cuda-graphs: the training step as CUDA graphs
+    graphs: MicroBatchGraphs = None   # --cuda-graphs: the training micro-batches as CUDA graphs
 
     def console(self, text: str):
         if self.log.master:
@@ -2828,24 +2750,7 @@ class Trainer:
             if losses is not None:
                 losses.append(loss.clone())
         if optimize:
-            self.optimizer_step(step)
-
-    def optimizer_step(self, step: int):
-        """NorMuon steps every step; Adam every other step, on the gradient summed over two steps. The host loads this
-        step's scalars, then the update runs (its graph replayed, or eagerly)."""
-        adam_steps = step % 2 == 1
-        optimizers = (self.adam, self.muon) if adam_steps else (self.muon,)
-        for opt in optimizers:
-            opt.prepare_step()
-        key = (adam_steps, len(self.adam.stepping) if adam_steps else 0)
-        if self.graphs is None or not self.graphs.run_update(key, lambda: [opt.update() for opt in optimizers]):
-            for opt in optimizers:
-                opt.update()
-        if adam_steps:
-            self.model.zero_grad(set_to_none=True)
-            self.adam.should_sync = False
-        else:
-            self.muon.zero_grad(set_to_none=True)
+            optimizer_step(step, self.model, self.adam, self.muon)
 
     def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor) -> Tensor:
         """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward. Returns
@@ -2890,11 +2795,11 @@ class Trainer:
 
     def warm_up_kernels(self):
         """Untimed: run every graph variant the real run will meet (4 train stages, 5 eval window pairs),
-        then restore the initial weights and zero the optimizers' states in place (the update's graph keeps their
-        addresses), so that the timed run starts from scratch."""
+        then restore the initial weights and optimizer states so the timed run starts from scratch."""
         a = self.args
         self.warm_up_times = []  # (label, seconds): where the cold start goes
-        initial = copy.deepcopy(self.model.state_dict())
+        initial = copy.deepcopy(dict(model=self.model.state_dict(),
+                                     opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
         table = stages(a)
         batches = self.new_batches(table[0].batch_size)
         for stage in table:
@@ -2910,8 +2815,10 @@ class Trainer:
                          f"({compiled_graph_count()} graphs compiled so far)")
         if self.graphs is not None:
             torch.cuda.empty_cache()  # the eager micro-batches' cached blocks: the graphs' pool replaces them
-            self.log(f"CUDA graphs: {self.graphs.captures} captured (micro-batches and the optimizers' update; a key's "
-                     f"first run is eager, its second captured), memory pool {CudaGraph.pool_bytes() / 2**30:.2f} GiB")
+            self.log(f"CUDA graphs: {self.graphs.captures} training micro-batches captured (a stage's first micro-batch "
+                     f"runs eagerly, its second is captured), memory pool {CudaGraph.pool_bytes() / 2**30:.2f} GiB")
+        if self.adam.should_sync:
+            self.adam.step()  # an odd number of warm-up steps leaves reduce-scatters in flight
         self.model.zero_grad(set_to_none=True)
         self.model.yarn.reset()
         windows = eval_windows(a)
@@ -2926,9 +2833,10 @@ class Trainer:
                          f"({compiled_graph_count()} graphs compiled so far)")
         self.model.train()
         self.model.yarn.reset()
-        self.model.load_state_dict(initial)
-        self.adam.reset()
         self.muon.reset()
+        self.model.load_state_dict(initial["model"])
+        for opt, state in zip((self.adam, self.muon), initial["opts"]):
+            opt.load_state_dict(state)
         del batches
 
     def train(self) -> "RunResult":
@@ -3086,7 +2994,7 @@ class Runtime:
     compile: bool
     fp8: bool
     mlp_kernel: str = "inductor"      # one of MLP_KERNELS
-    cuda_graphs: bool = False         # the training step replayed as CUDA graphs (TrainingGraphs)
+    cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)
     bf16_gemms_in_fp32: bool = False  # a CPU without native bf16 GEMMs: they run in fp32 (Bf16GemmsInFp32)
 
     @property
@@ -3264,7 +3172,7 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Traine
     if args.seed >= 0:
         torch.manual_seed(args.seed)
     model, adam, muon = build_model_and_optimizers(args, rt)
-    graphs = TrainingGraphs(model, adam) if rt.cuda_graphs else None
+    graphs = MicroBatchGraphs(model, adam) if rt.cuda_graphs else None
     return Trainer(args, rt, model, adam, muon, train_files, val_file, log, graphs)
 
 

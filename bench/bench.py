@@ -418,52 +418,6 @@ def check_cuda_graphs(trainer, args) -> dict:
                 world_size=trainer.rt.world_size, captures=graphs.captures, stages=rows)
 
 
-def check_update_graph(trainer) -> dict:
-    """The optimizers' update (an even step: NorMuon; an odd one: DistAdam and NorMuon) from the same weights,
-    optimizer states and gradients, eagerly and replayed as the warm-up's graphs: no kernel of the update is timing
-    dependent, so the weights must agree bit for bit."""
-    if trainer.graphs is None:
-        return dict(skipped="--cuda-graphs is off")
-    model, adam, muon, graphs = trainer.model, trainer.adam, trainer.muon, trainer.graphs
-    params = list(model.parameters())
-    states = [t for group in muon.param_groups for key in ("momentum_buffer", "second_momentum_buffer")
-              for t in [group.get(key)] if t is not None]
-    states += [t for s in adam.state.values() for t in (s["exp_avg"], s["exp_avg_sq"])]
-    saved = [t.detach().clone() for t in params + states]
-    steps = {p: s["step"] for p, s in adam.state.items()}
-
-    def restore():
-        for t, v in zip(params + states, saved):
-            t.detach().copy_(v)
-        for p, s in adam.state.items():
-            s["step"] = steps[p]
-
-    weights = {}
-    try:
-        for name in ("eager", "graphs"):
-            restore()
-            trainer.graphs = graphs if name == "graphs" else None
-            gen = torch.Generator(device=params[0].device).manual_seed(0)
-            for step in (0, 1):
-                for p in params:
-                    p.grad = torch.randn(p.shape, generator=gen, device=p.device).to(p.dtype) * 1e-3
-                if step == 1:  # as the last backward of an odd step: DistAdam's reduce-scatters
-                    adam.should_sync = True
-                    for p in [q for group in adam.param_groups for q in group["params"]]:
-                        adam._grad_hook(p)
-                trainer.set_schedules(step)
-                trainer.optimizer_step(step)
-            weights[name] = [p.detach().clone() for p in params]
-    finally:
-        trainer.graphs = graphs
-        restore()
-        model.zero_grad(set_to_none=True)
-    same = all(torch.equal(a, b) for a, b in zip(weights["graphs"], weights["eager"]))
-    moved = sum(not torch.equal(a, b) for a, b in zip(weights["eager"], saved[:len(params)]))
-    return dict(what="two optimizer steps (NorMuon; DistAdam + NorMuon) from the same weights, states and gradients",
-                identical=same, params_changed=moved, params=len(params))
-
-
 def measure_optimizers(trainer, args, repeats: int = 20) -> dict:
     """Each optimizer's step alone, on real gradients of one stage-3 micro-batch."""
     stage = tg.stages(args)[-2]  # the last scheduled stage: the largest batch and window
@@ -703,8 +657,6 @@ def main(argv=None) -> int:
     if a.check_graphs:
         result["cuda_graphs_check"] = check_cuda_graphs(trainer, args)
         say(f"CUDA graphs check: {result['cuda_graphs_check']}", flush=True)
-        result["update_graph_check"] = check_update_graph(trainer)
-        say(f"update graph check: {result['update_graph_check']}", flush=True)
     result["host_syncs_in_a_stage3_step"] = count_host_syncs(trainer, args)
     write(json.dumps(result, indent=1))  # partial results survive a later failure
     if not a.stages_only:

@@ -1,8 +1,8 @@
-"""--cuda-graphs: each training micro-batch and the optimizers' update replayed as graphs. Real CUDA graphs need a
-GPU (bench/bench.py --check-graphs compares graphs and eager there); here a stand-in graph that reruns the captured
-function on the graph's own tensors pins down everything around it: which micro-batch or update runs eagerly, which
-is captured and which replayed, the graph's copies of the batch, its gradient buffers, the loss's divisor and the
-keys. That an update reads no host value a graph would freeze is tested in test_optimizers.py."""
+"""--cuda-graphs: each training micro-batch replayed as one graph. Real CUDA graphs need a GPU (bench/bench.py
+--check-graphs trains with and without them there and compares the weights bit for bit); here a stand-in graph that
+reruns the captured function on the graph's own tensors pins down everything around it: which micro-batch runs
+eagerly, which is captured and which replayed, the graph's copies of the batch, its gradient buffers, the loss's
+divisor and the keys."""
 import copy
 
 import pytest
@@ -53,37 +53,32 @@ def train_steps(trainer, graphs, steps_per_stage: int = 1) -> tuple[list, list]:
 
 
 def from_the_start(trainer, initial):
-    """As the warm-up ends: the initial weights back, the optimizers' states zeroed in place."""
-    trainer.model.load_state_dict(initial)
-    trainer.adam.reset()
-    trainer.muon.reset()
+    trainer.model.load_state_dict(initial["model"])
+    for opt, state in zip((trainer.adam, trainer.muon), initial["opts"]):
+        opt.load_state_dict(state)
     trainer.model.zero_grad(set_to_none=True)
     trainer.model.yarn.reset()
 
 
 def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(trainer):
-    initial = copy.deepcopy(trainer.model.state_dict())
+    initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
+                                 opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
     eager, eager_losses = train_steps(trainer, None)
     from_the_start(trainer, initial)
-    graphs = tg.TrainingGraphs(trainer.model, trainer.adam, new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, new_graph=RerunGraph)
     graphed, graphed_losses = train_steps(trainer, graphs)
     from_the_start(trainer, initial)
     assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
     assert all(torch.equal(a, b) for a, b in zip(graphed_losses, eager_losses))
-    assert any(not torch.equal(a, b) for a, b in zip(graphed, initial.values()))  # it did train
-    stages = len(tg.stages(trainer.args))
-    micro_batches = trainer.rt.grad_accum_steps * stages
-    # one micro-batch key per stage: its first micro-batch eager, its second captured, the rest replayed; the update's
-    # two keys (without and with Adam) run eagerly in steps 0 and 1 and are captured in steps 2 and 3
-    updates = [key for key in graphs.graphs if key[0] == "update"]
-    adam_params = sum(len(group["params"]) for group in trainer.adam.param_groups)
-    assert updates == [("update", False, 0), ("update", True, adam_params)]
-    assert graphs.captures == stages + 2 == len(graphs.graphs)
-    assert graphs.replays == micro_batches - 2 * stages
+    assert any(not torch.equal(a, b) for a, b in zip(graphed, initial["model"].values()))  # it did train
+    micro_batches = trainer.rt.grad_accum_steps * len(tg.stages(trainer.args))
+    # one key per stage: its first micro-batch eager, its second captured, the rest replayed
+    assert graphs.captures == len(tg.stages(trainer.args)) == len(graphs.graphs)
+    assert graphs.replays == micro_batches - 2 * graphs.captures
 
 
 def test_a_stage_gets_a_new_graph_when_its_windows_or_softmax_scale_change(trainer):
-    graphs = tg.TrainingGraphs(trainer.model, trainer.adam, new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, new_graph=RerunGraph)
     batch = (torch.zeros(128, dtype=torch.int32), torch.zeros(128, dtype=torch.int64),
              torch.zeros(4, dtype=torch.int32))
     base = graphs.key(batch, 1, 3)
@@ -99,7 +94,7 @@ def test_a_stage_gets_a_new_graph_when_its_windows_or_softmax_scale_change(train
 
 def test_gradients_set_to_none_come_back_zeroed_and_eager_ones_are_copied_into_the_buffers(trainer):
     model = trainer.model
-    graphs = tg.TrainingGraphs(model, trainer.adam, new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(model, trainer.adam, new_graph=RerunGraph)
     try:
         for p in model.parameters():
             p.grad = torch.full_like(p, 2.0)
@@ -129,13 +124,11 @@ def test_cuda_graphs_resolve_on_with_cuda_and_compile_at_every_world_size_and_re
 
 # Two processes (gloo): the micro-batch that ends an Adam step launches DistAdam's reduce-scatters from its gradient
 # hooks. It gets a graph of its own, whose replay must leave the averaged gradients where DistAdam's step reads them.
-# The update's graphs launch NorMuon's reduce-scatters and both optimizers' all-gathers.
 
 def _graphs_against_eager_on_two_ranks(rank, world_size, data):
     """Six steps of stage 1 with two ranks (four micro-batches each per step), eagerly and through stand-in graphs:
     the plain micro-batch's key is captured in step 0, the reduce-scattering one (the last of each odd step) runs
-    eagerly in step 1, is captured in step 3 and replayed in step 5; the update without Adam runs eagerly in step 0,
-    is captured in step 2 and replayed in step 4, the one with Adam a step later each."""
+    eagerly in step 1, is captured in step 3 and replayed in step 5."""
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0",
                           "--train-max-seq-len", "128", "--data-path", str(data)])
     rt = tg.resolve_runtime(args, env={"WORLD_SIZE": str(world_size), "RANK": str(rank)})
@@ -143,7 +136,7 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data):
     train_files, val_file = tg.find_data(args, rt)
     trainer = tg.Trainer(args, rt, model, adam, muon, train_files, val_file, tg.Logger("/dev/null", False))
     stage = tg.stages(args)[0]
-    initial = copy.deepcopy(model.state_dict())
+    initial = copy.deepcopy(dict(model=model.state_dict(), opts=[o.state_dict() for o in (adam, muon)]))
 
     def six_steps(graphs):
         trainer.graphs, losses = graphs, []
@@ -154,7 +147,7 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data):
 
     eager, eager_losses = six_steps(None)
     from_the_start(trainer, initial)
-    graphs = tg.TrainingGraphs(model, adam, new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(model, adam, new_graph=RerunGraph)
     replayed = []
     real_replayed = adam.reduce_scatters_replayed
     adam.reduce_scatters_replayed = lambda params: (replayed.append(len(params)), real_replayed(params))
@@ -162,7 +155,7 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data):
     return dict(same_weights=all(torch.equal(a, b) for a, b in zip(graphed, eager)),
                 same_losses=all(torch.equal(a, b) for a, b in zip(graphed_losses, eager_losses)),
                 weights=[w.float().sum().item() for w in graphed],
-                reduce_scattering=[(key[0] == "update", len(entry[2])) for key, entry in graphs.graphs.items()],
+                reduce_scattering=[len(entry[2]) for entry in graphs.graphs.values()],
                 reduce_scatters_replayed=replayed, captures=graphs.captures, replays=graphs.replays)
 
 
@@ -173,29 +166,9 @@ def test_two_ranks_replay_the_reduce_scattering_micro_batch_as_its_own_graph_and
     ranks = run_gloo(_graphs_against_eager_on_two_ranks, 2, tmp_path / "data")
     for r in ranks:
         assert r["same_weights"] and r["same_losses"]
-        # in the order captured: the plain micro-batch, the update without Adam, the micro-batch ending an Adam step
-        # (it reduce-scatters all six of DistAdam's params), the update with Adam; 24 micro-batches, two run eagerly
-        # and two captured, the rest replayed (step 5's last the reduce-scattering graph), and two updates replayed
-        assert r["reduce_scattering"] == [(False, 0), (True, 0), (False, 6), (True, 0)]
-        assert (r["captures"], r["replays"], r["reduce_scatters_replayed"]) == (4, 22, [6])
+        # two keys: the plain micro-batch's graph and the one ending an Adam step, which reduce-scatters all six of
+        # DistAdam's params; 24 micro-batches, two run eagerly and two captured, the rest replayed, step 5's last
+        # the reduce-scattering graph
+        assert r["reduce_scattering"] == [0, 6]
+        assert (r["captures"], r["replays"], r["reduce_scatters_replayed"]) == (2, 20, [6])
     assert ranks[0]["weights"] == ranks[1]["weights"]  # the replicas stay identical
-
-
-def test_the_benchmarks_update_check_restores_the_run_and_compares_a_replayed_update_with_an_eager_one(trainer):
-    """bench.py --check-graphs runs two optimizer steps from the same weights, states and gradients eagerly and
-    through the graphs (here stand-ins, which must agree) and leaves the run as it found it."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import bench
-    trainer.graphs = tg.TrainingGraphs(trainer.model, trainer.adam, new_graph=RerunGraph)
-    try:
-        train_steps(trainer, trainer.graphs)  # every key seen and captured, optimizer states made
-        before = [p.detach().clone() for p in trainer.model.parameters()]
-        check = bench.check_update_graph(trainer)
-        assert check["identical"] and check["params_changed"] == check["params"]
-        assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), before))
-        assert trainer.graphs.replays > 0
-    finally:
-        trainer.graphs = None
-        trainer.model.zero_grad(set_to_none=True)
