@@ -1662,8 +1662,8 @@ def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_
 
 
 class DistAdam(torch.optim.Optimizer):
-    """ZeRO-1 Adam: every param is split along dim 0 into W equal slices; rank r keeps the Adam state of, and
-    updates, rows [r*n/W, (r+1)*n/W), then all-gathers the param.
+    """ZeRO-1 Adam without weight decay (the record's): every param is split along dim 0 into W equal slices; rank
+    r keeps the Adam state of, and updates, rows [r*n/W, (r+1)*n/W), then all-gathers the param.
 
     A post-accumulate-grad hook reduce-scatters (AVG) each gradient while `should_sync` is set (the trainer sets
     it for the last backward before a step()), into a buffer that lives as long as the optimizer, so a CUDA graph
@@ -1671,7 +1671,7 @@ class DistAdam(torch.optim.Optimizer):
     with a pending reduce-scatter; with one process, those with a p.grad. Groups by label: lm_head, scalars,
     value_embed, embed, other. State per param: step, exp_avg, exp_avg_sq (slice shape, param dtype)."""
 
-    def __init__(self, params, lr=0.008, betas=(0.65, 0.95), eps=1e-8, weight_decay=0.0):
+    def __init__(self, params, lr=0.008, betas=(0.65, 0.95), eps=1e-8):
         params = [p for p in params]
         if not params:
             raise ValueError("DistAdam got an empty parameter list")
@@ -1689,8 +1689,7 @@ class DistAdam(torch.optim.Optimizer):
         groups = [dict(params=buckets[lab], label=lab) for lab in DISTADAM_LABEL_ORDER if lab in buckets]
         if None in buckets:
             groups.append(dict(params=buckets[None], label="other"))
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(groups, defaults)
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps))
         self.should_sync = False
         self._pending = {}      # param -> its reduce-scatter's async work, or None once the stream waits for it
         self._grad_slices = {}  # param -> this rank's slice of its averaged gradient
@@ -1735,7 +1734,7 @@ class DistAdam(torch.optim.Optimizer):
         distributed = self.world_size > 1
         gathers = []
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             for p in group["params"]:
                 if distributed:
                     if p not in self._pending:
@@ -1756,8 +1755,6 @@ class DistAdam(torch.optim.Optimizer):
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p_slice)
                     state["exp_avg_sq"] = torch.zeros_like(p_slice)
-                if wd != 0:
-                    p_slice.mul_(1.0 - lr_p * wd * float(getattr(p, "wd_mul", 1.0)))
                 state["step"] += 1
                 t = state["step"]
                 self._step_size.fill_(lr_p * math.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t))
@@ -2669,7 +2666,7 @@ def build_optimizers(model: GPT, args: Hyperparameters):
     gates = [p for n, p in model.named_parameters() if "gate" in n]
     adam_params = [model.scalars, model.lm_head.weight, model.embed.weight, *(ve.weight for ve in model.value_embeds)]
     assert {id(p) for p in hidden + gates + adam_params} == {id(p) for p in model.parameters()}
-    adam = DistAdam(adam_params, lr=args.adam_lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
+    adam = DistAdam(adam_params, lr=args.adam_lr, betas=args.adam_betas, eps=args.adam_eps)
     muon = NorMuon(hidden + gates, lr=args.muon_lr, weight_decay=args.muon_weight_decay,
                    momentum=args.muon_momentum_warmup[0], beta2=args.muon_beta2, orthogonalizer=args.orthogonalizer)
     for opt in (adam, muon):
@@ -2817,8 +2814,6 @@ class Trainer:
             torch.cuda.empty_cache()  # the eager micro-batches' cached blocks: the graphs' pool replaces them
             self.log(f"CUDA graphs: {self.graphs.captures} training micro-batches captured (a stage's first micro-batch "
                      f"runs eagerly, its second is captured), memory pool {CudaGraph.pool_bytes() / 2**30:.2f} GiB")
-        if self.adam.should_sync:
-            self.adam.step()  # an odd number of warm-up steps leaves reduce-scatters in flight
         self.model.zero_grad(set_to_none=True)
         self.model.yarn.reset()
         windows = eval_windows(a)

@@ -91,7 +91,7 @@ def adam_loss(params, rank, step, micro):
 def run_distadam_like_trainer(params, world_size, rank, steps=6, micro_batches=2):
     """Trainer protocol: should_sync only before the last micro-batch backward of odd steps; Adam steps on odd
     steps only (it sees the grads of two steps). rank=None: one process with the ranks' mean loss."""
-    opt = tg.DistAdam(params, lr=0.01, weight_decay=0.1)
+    opt = tg.DistAdam(params, lr=0.01)
     for s in range(steps):
         for m in range(micro_batches):
             if s % 2 == 1 and m == micro_batches - 1:
@@ -420,16 +420,14 @@ def test_distadam_groups_state_dtype_and_adam_math():
     assert opt.state[params[0]]["step"] == 3
 
 
-def test_distadam_weight_decay_and_state_dict_round_trip():
+def test_distadam_state_dict_round_trip():
     params = adam_params()
-    p0 = params[5].detach().clone()
-    opt = tg.DistAdam(params, lr=0.01, weight_decay=0.5)
-    params[5].grad = torch.zeros_like(params[5])     # zero grad: only the decoupled decay acts on step 1
+    opt = tg.DistAdam(params, lr=0.01)
+    params[5].grad = torch.randn(params[5].shape)     # one param steps first
     opt.step()
-    torch.testing.assert_close(params[5].detach(), p0 * (1 - 0.01 * 0.5 * 2.0))   # wd_mul 2
     saved = copy.deepcopy(opt.state_dict())
     clones = [_clone_param(p) for p in params]
-    opt2 = tg.DistAdam(clones, lr=0.01, weight_decay=0.5)
+    opt2 = tg.DistAdam(clones, lr=0.01)
     opt2.load_state_dict(saved)
     for ps, o in ((params, opt), (clones, opt2)):
         for s in range(2):
