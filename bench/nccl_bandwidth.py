@@ -15,7 +15,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_gpt as tg  # noqa: E402
+from bench import git_commit  # noqa: E402
 
 
 def step_collectives(world: int) -> list:
@@ -98,10 +98,9 @@ def main(argv=None) -> int:
                          ms_at_target=nbytes * (target - 1) / target / busbw * 1e3))
     dist.destroy_process_group()
     if rank == 0:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, nccl=".".join(
                           map(str, torch.cuda.nccl.version())), world_size=world, for_world_size=target,
-                      date=datetime.date.today().isoformat(), commit=commit,
+                      date=datetime.date.today().isoformat(), commit=git_commit(),
                       command=" ".join([Path(sys.executable).name, *sys.argv]),
                       per_step_ms_at_target=sum(r["ms_at_target"] * r["launches_per_step"] for r in rows),
                       collectives=rows)

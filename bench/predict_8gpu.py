@@ -22,32 +22,26 @@ Leaves out: the link (W=8's NVSwitch taken to give the bus bandwidth two NVLinke
 """
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "records"))
+import compare  # noqa: E402  (the log parser records/ uses)
 import train_gpt as tg  # noqa: E402
 
 RECORD_LOGS = ROOT / "tests" / "fixtures" / "records"  # the upstream record's two 8xH100 logs
-STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms")
-FINAL_LINE = re.compile(r"^step:(\d+)/\1 val_loss:[\d.]+ train_time:(\d+)ms")
 
 
 def record_stage_ms(logs: list, args: tg.Hyperparameters) -> tuple[dict, float]:
     """({stage name: median ms per step over the logs' steps of that stage}, mean train time in s) of full runs."""
     per_stage, totals = {}, []
     for log in logs:
-        clock = {}
-        for line in Path(log).read_text().splitlines():
-            m = STEP_LINE.match(line)
-            if m:
-                clock[int(m[1])] = int(m[3])
-            m = FINAL_LINE.match(line)
-            if m:
-                totals.append(int(m[2]) / 1000)
+        run = compare.parse_log(log)
+        clock = {step: ms for step, _total, ms, _avg in run.train}
+        totals.append(run.time_s)
         for step in range(args.num_iterations):
             if step in clock and step + 1 in clock:  # line k is printed after step k-1
                 name = tg.stage_at(step, args).name
@@ -118,11 +112,11 @@ def main(argv=None) -> int:
                              "bench.py on one GPU, --nccl from nccl_bandwidth.py --for-world-size 8")
         if not logs:
             raise ValueError(f"no record logs (*.txt) in {a.record_logs}")
-    except (OSError, ValueError, KeyError) as e:
+        args = tg.Hyperparameters()
+        record_ms, record_total = record_stage_ms(logs, args)
+    except (OSError, ValueError, KeyError, compare.LogError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    args = tg.Hyperparameters()
-    record_ms, record_total = record_stage_ms(logs, args)
     p = predict(rank, w1, nccl, record_ms, record_total, args)
     print(table(p))
     if a.out:
