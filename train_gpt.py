@@ -771,34 +771,29 @@ def _(grad_out, q, k, v, out, lse, rng_state, cu_seqlens, max_seqlen, params, wh
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def register_attention_autograd(forward_op, backward_op):
-    """Autograd of a varlen attention op (q, k, v, cu_seqlens, max_seqlen, params, which) -> (out, lse, *state):
-    saves the inputs and every output, and calls backward_op(grad_out, q, k, v, out, lse, *state, cu_seqlens,
-    max_seqlen, params, which) -> (dq, dk, dv)."""
-    def setup_context(ctx, inputs, output):
-        q, k, v, cu_seqlens, max_seqlen, params, which = inputs
-        ctx.save_for_backward(q, k, v, cu_seqlens, params, *output)
-        ctx.max_seqlen, ctx.which = max_seqlen, which
-
-    def backward(ctx, grad_out, *_):
-        q, k, v, cu_seqlens, params, *outputs = ctx.saved_tensors
-        dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, *outputs, cu_seqlens, ctx.max_seqlen, params,
-                                 ctx.which)
-        return dq, dk, dv, None, None, None, None
-
-    forward_op.register_autograd(backward, setup_context=setup_context)
+def _flash_varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, params, which = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens, params, *output)
+    ctx.max_seqlen, ctx.which = max_seqlen, which
 
 
-register_attention_autograd(flash_varlen, torch.ops.speedrun.flash_varlen_backward)
+def _flash_varlen_backward_rule(ctx, grad_out, *_):
+    q, k, v, cu_seqlens, params, out, lse, rng_state = ctx.saved_tensors
+    dq, dk, dv = torch.ops.speedrun.flash_varlen_backward(grad_out.contiguous(), q, k, v, out, lse, rng_state,
+                                                          cu_seqlens, ctx.max_seqlen, params, ctx.which)
+    return dq, dk, dv, None, None, None, None
+
+
+flash_varlen.register_autograd(_flash_varlen_backward_rule, setup_context=_flash_varlen_setup_context)
 
 
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, params, which):
     return torch.ops.speedrun.flash_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
 
 
-# FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels) behind the same
-# kind of custom op as the varlen backend: window and scale are runtime arguments of its kernels (only whether a
-# window exists is in its compile key), so one compiled kernel pair serves every stage. Imported on request.
+# FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels), called from
+# the fa4_qkv op below: window and scale are runtime arguments of its kernels (only whether a window exists is in
+# its compile key), so one compiled kernel pair serves every stage. Imported on request.
 
 def fa4_interface():
     """flash_attn.cute.interface (PyPI flash-attn-4), imported on first use (Python keeps the module)."""
@@ -817,43 +812,13 @@ def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, params, which: int) -> tup
     return out, lse
 
 
-def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, params, which: int, dq=None, dk=None,
-                 dv=None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), written into the dq, dk, dv given (views of a caller's gradient buffers) where they are."""
+def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, params, which: int, dq, dk, dv) -> None:
+    """Writes the gradients into dq, dk, dv (views of the caller's gradient buffers)."""
     scale, window = attention_scalars(params, which)
-    into = {} if dq is None else dict(dq=dq, dk=dk, dv=dv)
-    return tuple(fa4_interface()._flash_attn_bwd(
+    fa4_interface()._flash_attn_bwd(
         q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
-        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, **into))
-
-
-@torch.library.custom_op("speedrun::fa4_varlen", mutates_args=())
-def fa4_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
-               which: int) -> tuple[Tensor, Tensor]:
-    return fa4_forward(q, k, v, cu_seqlens, max_seqlen, params, which)
-
-
-@fa4_varlen.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, params, which):
-    return torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32)
-
-
-@torch.library.custom_op("speedrun::fa4_varlen_backward", mutates_args=())
-def fa4_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        cu_seqlens: Tensor, max_seqlen: int, params: Tensor, which: int) -> tuple[Tensor, Tensor, Tensor]:
-    return fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, params, which)
-
-
-@fa4_varlen_backward.register_fake
-def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, params, which):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-register_attention_autograd(fa4_varlen, torch.ops.speedrun.fa4_varlen_backward)
-
-
-def attention_fa4(q, k, v, cu_seqlens, max_seqlen, params, which):
-    return torch.ops.speedrun.fa4_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
+        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        dq=dq, dk=dk, dv=dv)
 
 
 # q/k RMS norm and rotary in one Triton pass, inside the FlashAttention-4 op (fa4 backend, Triton). Inductor fuses
@@ -1060,7 +1025,8 @@ def attention_fa4_qkv(qkv, ve, yarn, cu_seqlens, max_seqlen, params, which):
     return torch.ops.speedrun.fa4_qkv(qkv, ve, yarn.cos, yarn.sin, cu_seqlens, max_seqlen, params, which)[0]
 
 
-ATTENTION_BACKENDS = {"fa4": attention_fa4, "varlen": attention_varlen, "reference": attention_reference}
+# Backends that attend from rotated q, k and v; fa4 attends from the raw projections (attention_fa4_qkv).
+ATTENTION_BACKENDS = {"varlen": attention_varlen, "reference": attention_reference}
 
 
 def varlen_available() -> bool:
@@ -2043,7 +2009,7 @@ class GPT(nn.Module):
     def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1, attn_backend: str = "reference",
                  fp8: bool = False, mlp_kernel: str = "inductor"):
         """max_seq_len: longest packed micro-batch (rotary tables); world_size: pads the scalars for DistAdam;
-        attn_backend: a key of ATTENTION_BACKENDS (fa4 attends through fa4_qkv); fp8: FP8 lm_head in training;
+        attn_backend: fa4 (through fa4_qkv) or a key of ATTENTION_BACKENDS; fp8: FP8 lm_head in training;
         mlp_kernel: one of MLP_KERNELS (quack: the attention output projections through residual_linear too)."""
         super().__init__()
         d, L = args.model_dim, args.num_layers
@@ -2072,8 +2038,8 @@ class GPT(nn.Module):
             tag(ve.weight, "value_embed", 75.0)
         tag(self.lm_head.weight, "lm_head", 1.0)
         tag(self.scalars, "scalars", 5.0)
-        self.attn_fn = ATTENTION_BACKENDS[attn_backend]
-        self.qkv_attn_fn = attention_fa4_qkv if attn_backend == "fa4" and triton is not None else None
+        self.attn_fn = ATTENTION_BACKENDS.get(attn_backend)
+        self.qkv_attn_fn = attention_fa4_qkv if attn_backend == "fa4" else None
         self._trunk, self._head, self.is_compiled = self.trunk, self.head, False  # see compile_regions()
 
     def compile_regions(self, **options):
@@ -2895,11 +2861,6 @@ def compile_cache_counts() -> dict:
                                   misses=int(counters["aot_autograd"]["autograd_cache_miss"])))
 
 
-def compile_cache_misses() -> int:
-    """Graphs Inductor had to compile in this process because its cache did not hold them."""
-    return compile_cache_counts()["inductor"]["misses"]
-
-
 def no_compiles_allowed(enabled: bool = True):
     """Context in which any torch.compile (re)compilation raises instead of silently spending tens of seconds:
     every graph the timed loop needs must have been compiled by the warm-up."""
@@ -2985,7 +2946,7 @@ class Runtime:
     world_size: int
     launched: bool            # started by torchrun (RANK set): a process group even for one process
     grad_accum_steps: int     # micro-batches per step: 8 // world_size, so the global batch never changes
-    attn_backend: str         # a key of ATTENTION_BACKENDS
+    attn_backend: str         # fa4, or a key of ATTENTION_BACKENDS
     compile: bool
     fp8: bool
     mlp_kernel: str = "inductor"      # one of MLP_KERNELS
@@ -3326,7 +3287,7 @@ def compile_cache_after_warm_up(path: Path | None, loaded: bool) -> str:
         return ""
     if not loaded:
         return save_compile_cache(path)
-    misses = compile_cache_misses()
+    misses = compile_cache_counts()["inductor"]["misses"]  # graphs this run compiled that the bundle lacked
     if misses == 0:
         return ""
     return (f"compile cache: {path} lacked {misses} graph(s) this run compiled (the script or a setting that changes "

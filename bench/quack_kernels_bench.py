@@ -278,16 +278,16 @@ def section_host(calls: int = 40) -> list:
         inductor_mlp_fwd_bwd=lambda: compiled(x, w_fc, w_proj).backward(grad),
         quack_mlp_fwd_bwd=lambda: quack_mlp(x, w_fc, w_proj).backward(grad),
     )
-    try:  # the other Python-dispatched library of a step: FlashAttention-4, through the trainer's ops
+    try:  # the other Python-dispatched library of a step: FlashAttention-4, through the trainer.s calls
         tg.fa4_on_this_gpu()
         heads, hd = 6, 128
         qq, kk, vv = (torch.randn(T, heads, hd, device="cuda").bfloat16() for _ in range(3))
         cu = torch.arange(0, T + 1, 512, device="cuda", dtype=torch.int32)
         params = torch.tensor([[hd ** -0.5, 384.0]])
-        out, lse = torch.ops.speedrun.fa4_varlen(qq, kk, vv, cu, 512, params, 0)
-        cases["fa4_op_forward"] = lambda: torch.ops.speedrun.fa4_varlen(qq, kk, vv, cu, 512, params, 0)
-        cases["fa4_op_backward"] = lambda: torch.ops.speedrun.fa4_varlen_backward(out, qq, kk, vv, out, lse, cu, 512,
-                                                                                  params, 0)
+        out, lse = tg.fa4_forward(qq, kk, vv, cu, 512, params, 0)
+        dq, dk, dv = (torch.empty_like(t) for t in (qq, kk, vv))
+        cases["fa4_forward"] = lambda: tg.fa4_forward(qq, kk, vv, cu, 512, params, 0)
+        cases["fa4_backward"] = lambda: tg.fa4_backward(out, qq, kk, vv, out, lse, cu, 512, params, 0, dq, dk, dv)
     except Exception as e:
         row["fa4"] = f"not measured ({type(e).__name__}: {e})"[:300]
     for name, fn in cases.items():

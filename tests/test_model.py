@@ -114,7 +114,7 @@ def test_yarn_attn_scale_sequence_and_reset():
     assert y.cos is cos_buf  # tables rewritten in place (compiled graphs keep the same buffer)
 
 
-def test_yarn_apply_formula():
+def test_yarn_stretch_formula():
     y = tg.Yarn(128, 32)
     f0 = y.freqs.double().clone()
     y.stretch(3, 7)
@@ -598,7 +598,7 @@ def test_fused_fp8_head_gives_the_unfused_heads_loss_and_gradients():
 
 
 # ----------------------------------------------------------------------------------------------------
-# the FA4 custom op's plumbing, with a stand-in for flash_attn.cute.interface (FA4 itself needs a Hopper GPU)
+# the FA4 backend's plumbing, with a stand-in for flash_attn.cute.interface (FA4 itself needs a Hopper GPU)
 # ----------------------------------------------------------------------------------------------------
 
 class _ReferenceFA4:
@@ -617,7 +617,9 @@ class _ReferenceFA4:
 
     @classmethod
     def _flash_attn_bwd(cls, q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
-                        window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+                        window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk, dv):
+        """Writes into the dq, dk, dv buffers it is handed (FA4's out arguments, which fa4_qkv uses to put dv
+        straight into the qkv gradient)."""
         cls.calls.append(("bwd", softmax_scale, causal, window_size_left, window_size_right, softcap))
         # custom op bodies run below the autograd dispatch key: the attention backward written out by hand
         mask = dense_mask(cu_seqlens_q, q.size(0), window_size_left)
@@ -625,40 +627,10 @@ class _ReferenceFA4:
         p = (softmax_scale * qh @ kh.transpose(1, 2)).masked_fill(~mask, float("-inf")).softmax(-1)
         dp = dh @ vh.transpose(1, 2)
         ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-        dq, dk, dv = softmax_scale * ds @ kh, softmax_scale * ds.transpose(1, 2) @ qh, p.transpose(1, 2) @ dh
-        return tuple(t.transpose(0, 1) for t in (dq, dk, dv))
-
-
-def test_fa4_op_passes_the_step_window_and_scale_and_wires_its_backward(monkeypatch):
-    monkeypatch.setattr(tg, "fa4_interface", lambda: _ReferenceFA4)
-    _ReferenceFA4.calls = []
-    torch.manual_seed(0)
-    T, H, D = 64, 2, 8
-    q, k, v = (torch.randn(T, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    cu = tg.pack_cu_seqlens([20, 31, 13], T, 8)
-    params = attn_params(0.3, 9, short_window=4)
-    out = tg.attention_fa4(q, k, v, cu, 31, params, 0)  # `which` 0: the short window
-    grads = torch.autograd.grad(out.sum(), (q, k, v))
-    assert _ReferenceFA4.calls[0] == ("fwd", 0.3, True, 4, 0, True, 31, True)
-    assert _ReferenceFA4.calls[1] == ("bwd", 0.3, True, 4, 0, 0.0)
-    qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
-    ref = dense_reference(qd, kd, vd, cu, 0.3, 4)
-    torch.testing.assert_close(out, ref)
-    for a, b in zip(grads, torch.autograd.grad(ref.sum(), (qd, kd, vd))):
-        torch.testing.assert_close(a, b)
-
-
-def test_fa4_op_fake_matches_the_real_output_layout(monkeypatch):
-    """The fake (what torch.compile traces with) gives FA4's shapes: out like q, LSE (heads, tokens) fp32."""
-    monkeypatch.setattr(tg, "fa4_interface", lambda: _ReferenceFA4)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    q, k, v = (torch.randn(48, 3, 8) for _ in range(3))
-    cu, params = tg.pack_cu_seqlens([48], 48, 4), attn_params(0.5, 16)
-    real = torch.ops.speedrun.fa4_varlen(q, k, v, cu, 48, params, 1)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = torch.ops.speedrun.fa4_varlen(q, k, v, cu, 48, params, 1)
-    assert [tuple(t.shape) for t in fake] == [tuple(real[0].shape), (3, 48)]
-    assert fake[1].dtype == torch.float32
+        grads = softmax_scale * ds @ kh, softmax_scale * ds.transpose(1, 2) @ qh, p.transpose(1, 2) @ dh
+        for buf, g in zip((dq, dk, dv), grads):
+            buf.copy_(g.transpose(0, 1))
+        return dq, dk, dv
 
 
 def test_auto_backend_on_cpu_is_the_reference_and_fa4_on_cpu_is_a_one_line_error():
@@ -687,15 +659,14 @@ def test_fa4_backend_is_picked_by_auto_when_installed_and_keeps_its_kernel_cache
         tg.resolve_attention_backend("fa4", "cuda")
 
 
-@pytest.mark.parametrize("backend", ["varlen", "fa4"])
-def test_attention_ops_autograd_wiring_traces_with_their_fakes(backend):
-    """Forward and backward of both custom attention ops under FakeTensorMode (what torch.compile traces): the
-    shared autograd registration must hand each backward op its arguments in its own schema's order."""
+def test_varlen_attention_op_autograd_wiring_traces_with_its_fakes():
+    """Forward and backward of the varlen attention op under FakeTensorMode (what torch.compile traces): the
+    autograd registration must hand the backward op its arguments in its schema's order."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         q, k, v = (torch.randn(40, 2, 8, requires_grad=True) for _ in range(3))
         cu = torch.zeros(8, dtype=torch.int32)
-        out = tg.ATTENTION_BACKENDS[backend](q, k, v, cu, 40, attn_params(0.5, 16), 1)
+        out = tg.attention_varlen(q, k, v, cu, 40, attn_params(0.5, 16), 1)
         dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
@@ -703,23 +674,6 @@ def test_attention_ops_autograd_wiring_traces_with_their_fakes(backend):
 # ----------------------------------------------------------------------------------------------------
 # the fa4 backend's q/k norm + rotary pass inside the FA4 op (fa4_qkv)
 # ----------------------------------------------------------------------------------------------------
-
-class _ReferenceFA4WithOutputs(_ReferenceFA4):
-    """As _ReferenceFA4, but its backward writes into the dq, dk, dv buffers it is handed (FA4's out arguments),
-    which fa4_qkv uses to put dv straight into the qkv gradient."""
-
-    @classmethod
-    def _flash_attn_bwd(cls, q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
-                        window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq=None, dk=None,
-                        dv=None):
-        grads = super()._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
-                                        window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        if dq is None:
-            return grads
-        for buf, g in zip((dq, dk, dv), grads):
-            buf.copy_(g)
-        return dq, dk, dv
-
 
 def qkv_case(T=64, H=2, D=16, seed=0):
     torch.manual_seed(seed)
@@ -731,25 +685,28 @@ def qkv_case(T=64, H=2, D=16, seed=0):
 
 
 @pytest.mark.parametrize("with_ve", [False, True])
-def test_fused_qk_norm_rope_attention_equals_the_unfused_path_forward_and_backward(monkeypatch, with_ve):
+def test_fa4_qkv_equals_norm_rotary_and_attention_forward_and_backward_with_the_step_window(monkeypatch, with_ve):
     """fa4_qkv (norm + rotary inside the op, dv written into the qkv gradient, ve's gradient = dv) against the
-    model's own ops (norm, Yarn.rotate, v + ve, the FA4 op), both on the same stand-in attention, float64."""
-    monkeypatch.setattr(tg, "fa4_interface", lambda: _ReferenceFA4WithOutputs)
+    model's own lines (norm, Yarn.rotate, v + ve) and dense attention, float64; FA4 gets the step's short window
+    and scale, causal, in both passes."""
+    monkeypatch.setattr(tg, "fa4_interface", lambda: _ReferenceFA4)
+    _ReferenceFA4.calls = []
     yarn, qkv0, ve0, cu, params = qkv_case()
     T, H3, D = qkv0.shape
     H = H3 // 3
     qkv, ve = qkv0.clone().requires_grad_(), ve0.clone().requires_grad_()
-    out = tg.attention_fa4_qkv(qkv, ve if with_ve else None, yarn, cu, 31, params, 1)
+    out = tg.attention_fa4_qkv(qkv, ve if with_ve else None, yarn, cu, 31, params, 0)  # `which` 0: the short window
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (qkv, ve) if with_ve else (qkv,), dout)
+    assert _ReferenceFA4.calls == [("fwd", 0.3, True, 4, 0, True, 31, True), ("bwd", 0.3, True, 4, 0, 0.0)]
 
     qkv_r, ve_r = qkv0.clone().requires_grad_(), ve0.clone().requires_grad_()
     q, k, v = qkv_r.view(T, 3, H, D).unbind(1)
     q, k = yarn.rotate(tg.norm(q)), yarn.rotate(tg.norm(k))
     v = v + ve_r if with_ve else v
-    ref = tg.attention_fa4(q, k, v, cu, 31, params, 1)
+    ref = dense_reference(q, k, v, cu, 0.3, 4)
     ref_grads = torch.autograd.grad(ref, (qkv_r, ve_r) if with_ve else (qkv_r,), dout)
-    # the only difference: the norm's eps is float32's in both fused paths, float64's in F.rms_norm here
+    # the only difference: the norm's eps is float32's in the fused op, float64's in F.rms_norm here
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
@@ -771,14 +728,15 @@ def test_fused_qk_norm_rope_op_fakes_trace_forward_and_backward():
             assert [tuple(g.shape) for g in grads] == [(40, 6, 8)] + ([(40, 2, 8)] if ve is not None else [])
 
 
-def test_the_fa4_backend_attends_through_fa4_qkv_where_triton_is_installed(monkeypatch):
-    """fa4 takes the fused op; without Triton it keeps attention_fa4's unfused lines, and other backends never
-    take it."""
-    fused = tg.attention_fa4_qkv if tg.triton is not None else None
-    assert tg.GPT(SMOKE, max_seq_len=128, attn_backend="fa4").qkv_attn_fn is fused
-    assert tg.GPT(SMOKE, max_seq_len=128, attn_backend="varlen").qkv_attn_fn is None
-    monkeypatch.setattr(tg, "triton", None)
-    assert tg.GPT(SMOKE, max_seq_len=128, attn_backend="fa4").qkv_attn_fn is None
+def test_the_fa4_backend_attends_through_fa4_qkv_with_or_without_triton(monkeypatch):
+    """fa4 always takes the fused op (without Triton its passes fall back to PyTorch inside it); other backends
+    attend from rotated q and k."""
+    for triton in (tg.triton, None):
+        monkeypatch.setattr(tg, "triton", triton)
+        fa4 = tg.GPT(SMOKE, max_seq_len=128, attn_backend="fa4")
+        assert fa4.qkv_attn_fn is tg.attention_fa4_qkv and fa4.attn_fn is None
+        varlen = tg.GPT(SMOKE, max_seq_len=128, attn_backend="varlen")
+        assert varlen.qkv_attn_fn is None and varlen.attn_fn is tg.attention_varlen
 
 
 QK_NORM_ROPE_SCRIPT = """

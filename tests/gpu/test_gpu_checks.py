@@ -45,6 +45,8 @@ from train_gpt import (  # noqa: E402
     attention_reference,
     ax_plus_bx,
     ba_plus_cAA,
+    fa4_backward,
+    fa4_forward,
     fp8_lm_head_cross_entropy_sum,
     lm_head_fp8,
     max_num_docs_for,
@@ -94,6 +96,53 @@ def time_ms(fn, warmup=25, rep=100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+# FA4 on rotated q, k, v, as an opaque op with autograd: the baseline of the fa4 backend's fused op (fa4_qkv), and
+# what Inductor's compile of the unfused lines calls.
+@torch.library.custom_op("speedrun_tests::fa4_attention", mutates_args=())
+def fa4_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                     params: torch.Tensor, which: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return fa4_forward(q, k, v, cu_seqlens, max_seqlen, params, which)
+
+
+@fa4_attention_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, params, which):
+    return torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32)
+
+
+@torch.library.custom_op("speedrun_tests::fa4_attention_backward", mutates_args=())
+def fa4_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                           params: torch.Tensor, which: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, params, which, dq, dk, dv)
+    return dq, dk, dv
+
+
+@fa4_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, params, which):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fa4_attention_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, params, which = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens, params, *output)
+    ctx.max_seqlen, ctx.which = max_seqlen, which
+
+
+def _fa4_attention_autograd(ctx, grad_out, _grad_lse):
+    q, k, v, cu_seqlens, params, out, lse = ctx.saved_tensors
+    dq, dk, dv = fa4_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen,
+                                        params, ctx.which)
+    return dq, dk, dv, None, None, None, None
+
+
+fa4_attention_op.register_autograd(_fa4_attention_autograd, setup_context=_fa4_attention_setup_context)
+
+
+def fa4_attention(q, k, v, cu_seqlens, max_seqlen, params, which):
+    return fa4_attention_op(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
+
+
 def available_attention(name: str, results: dict):
     """The backend's function, or None (recorded as 'unavailable: ...') when it cannot run here."""
     if name == "varlen":
@@ -106,7 +155,7 @@ def available_attention(name: str, results: dict):
     except ConfigError as e:
         results[f"attention_{name}"] = f"unavailable: {e}"
         return None
-    return ATTENTION_BACKENDS[name]
+    return fa4_attention if name == "fa4" else ATTENTION_BACKENDS[name]
 
 
 def attention_backend(name: str, results: dict):
@@ -472,7 +521,7 @@ def test_fused_qk_norm_rope_matches_inductors_unfused_attention(with_ve, gpu_res
     lengths = document_lengths(T, np.random.default_rng(0), median=600, max_len=2048)
     cu = pack_cu_seqlens(lengths, T, max_num_docs_for(T)).cuda()
     yarn = Yarn(D, T).cuda()
-    yarn.apply(3, 7)
+    yarn.stretch(3, 7)
     torch.manual_seed(0)
     qkv = (torch.randn(T, 3 * H, D, device="cuda") * 0.5).bfloat16()
     ve = torch.randn(T, H, D, device="cuda").bfloat16() if with_ve else None
