@@ -32,6 +32,7 @@ import os
 os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
 
 import argparse
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -44,7 +45,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -2157,6 +2157,14 @@ def load_data_shard(path, pin_memory: bool = False) -> Tensor:
         raise ShardError(f"shard {path}: read {nbytes} bytes, expected {2 * num_tokens}")
     return tokens
 
+def in_background(fn, *args) -> concurrent.futures.Future:
+    """fn(*args) on a thread of its own (shard reads, BOS scans); .result() waits and re-raises its error."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speedrun-data")
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)  # the thread ends with its one task
+    return future
+
+
 def find_bos(tokens: Tensor) -> np.ndarray:
     return np.flatnonzero(tokens.numpy() == BOS_ID)
 
@@ -2177,24 +2185,18 @@ class BOSFinder:
 
     def __init__(self, tokens: Tensor, world_size: int, quickload: bool = False):
         self.tokens, self.world_size, self.i = tokens, world_size, 0
-        self._full_index = None
         if quickload and len(tokens) > self.QUICK_SCAN_TOKENS:
-            # Start training from a partial index at once; the full scan runs in a thread.
+            # Start training from a partial index at once; the full scan runs in a background thread.
             self.bos_idx = find_bos(tokens[:self.QUICK_SCAN_TOKENS])
             self._partial_end = self.QUICK_SCAN_TOKENS
-            self._thread = threading.Thread(target=self._scan_all, daemon=True)
-            self._thread.start()
+            self._full_index = in_background(find_bos, tokens)
             self._batches_left_on_partial = self.QUICK_SCAN_BATCHES
         else:
             self.bos_idx = find_bos(tokens)
             self._partial_end = None
 
-    def _scan_all(self):
-        self._full_index = find_bos(self.tokens)
-
     def _switch_to_full_index(self):
-        self._thread.join()
-        self.bos_idx, self._partial_end = self._full_index, None
+        self.bos_idx, self._partial_end = self._full_index.result(), None
 
     def next_batch(self, num_tokens: int, max_seq_len: int) -> list:
         """Per rank, a list of (start, end) token ranges totalling num_tokens + 1. Raises StopIteration
@@ -2248,48 +2250,34 @@ class ShardLoader:
         self.files = [f for _ in range(epochs) for f in files]
         self.world_size, self.pin_memory = world_size, pin_memory
         self.next_file = 0
-        self._pending = None
+        self._next = None  # the next shard's (tokens, BOSFinder), loading in the background
 
     def _load(self, path, quickload):
         tokens = load_data_shard(path, self.pin_memory)
         return tokens, BOSFinder(tokens, self.world_size, quickload=quickload)
 
     def _start_preload(self):
-        if self.next_file >= len(self.files):
-            self._pending = None
-            return
-        path = self.files[self.next_file]
-        self.next_file += 1
-        result = {}
-
-        def work():
-            try:
-                result["value"] = self._load(path, quickload=False)
-            except BaseException as e:  # re-raised in the consumer thread
-                result["error"] = e
-        thread = threading.Thread(target=work, daemon=True)
-        thread.start()
-        self._pending = (thread, result)
+        if self.next_file < len(self.files):
+            self._next = in_background(self._load, self.files[self.next_file], False)
+            self.next_file += 1
+        else:
+            self._next = None
 
     def first(self):
         if not self.files:
             raise DataExhausted("no training files")
-        path = self.files[0]
         self.next_file = 1
-        current = self._load(path, quickload=True)
+        current = self._load(self.files[0], quickload=True)
         self._start_preload()
         return current
 
     def advance(self):
-        if self._pending is None:
+        if self._next is None:
             raise DataExhausted(f"the training data ran out after {len(self.files)} shard(s): use more shards or "
                                 "--train-epochs N to cycle over them, or shorten the schedule")
-        thread, result = self._pending
-        thread.join()
-        if "error" in result:
-            raise result["error"]
+        current = self._next.result()  # a loading error is raised here, in the training thread
         self._start_preload()
-        return result["value"]
+        return current
 
 
 def to_device(batch: tuple, device: str) -> tuple:
@@ -2493,18 +2481,15 @@ def nvidia_smi() -> str:
 
 
 # --- CUDA graphs of the training micro-batch ---
-# At stage 1 the host needs about as long to launch a micro-batch's few hundred kernels (most of them Inductor's) as
-# the GPU needs to run them, so the step follows the CPU's speed. A CUDA graph records the launches of one
-# micro-batch's forward and backward once, every kernel library's included, and replays them with one call. A replay
-# reads and writes the addresses it was captured with, so the graphs keep their own copies of the batch tensors and
-# one set of gradients that every backward accumulates into; their temporaries live in one memory pool of their own
-# (shared: the graphs never run at the same time and leave nothing alive in it). What a launch takes as a host value
-# is frozen at capture: the tokens per micro-batch, the windows and YaRN's softmax scale (all in the key); the loss's
-# divisor (micro-batches per step) is read from a tensor instead. With several processes, the micro-batch that ends
-# an Adam step launches DistAdam's reduce-scatters from its backward's gradient hooks: NCCL's collectives can be
-# captured (NCCL 2.9+) when every rank captures and replays the same graphs in the same order, which the keys
-# guarantee (the same shapes, windows and step position on every rank). Such a graph is a key of its own, and its
-# capture ends by joining NCCL's stream, so a replay leaves the averaged gradients where DistAdam's step reads them.
+# At stage 1 the host needs about as long to launch a micro-batch's few hundred kernels as the GPU needs to run
+# them. A CUDA graph records one micro-batch's forward and backward launches, every kernel library's included, and
+# replays them with one call, reading and writing the addresses it was captured with: the graphs keep their own
+# batch tensors and one set of gradients, and share one memory pool for their temporaries. Host values are frozen
+# at capture (tokens per micro-batch, windows, YaRN's scale: all in the key); the loss's divisor is a tensor. With
+# several processes, the micro-batch that ends an Adam step launches DistAdam's reduce-scatters from its gradient
+# hooks: NCCL collectives can be captured (NCCL 2.9+) when every rank captures and replays the same graphs in the
+# same order, which the keys guarantee. Such a capture ends by joining NCCL's stream, so a replay leaves the
+# averaged gradients where DistAdam's step reads them.
 
 class CudaGraph:
     """torch.cuda.CUDAGraph, captured on a side stream right after one eager run there that does the micro-batch's

@@ -351,6 +351,21 @@ def test_train_epochs_cycles(tmp_path):
     assert "\n" not in str(e.value) and "--train-epochs" in str(e.value)
 
 
+def test_a_shard_that_fails_to_load_in_the_background_raises_in_the_training_thread(tmp_path):
+    """The next shard is read while the current one trains: its error surfaces where the loader advances to it, as
+    the same ShardError, not as a dead thread or a hang."""
+    rng = np.random.default_rng(6)
+    good = write_shard(tmp_path / "fineweb_train_000001.bin", flatten(synthetic_documents(60, rng=rng, max_len=80)))
+    bad = tmp_path / "fineweb_train_000002.bin"
+    bad.write_bytes(b"\0" * 2048)  # a header of zeros: wrong magic
+    n = len(list(ref_stream([tokens_of(good)], 64, 64, 1)))
+    gen = tg.distributed_data_generator([str(good), str(bad)], 64, 64, 1, 0, 1)
+    for _ in range(n):
+        next(gen)
+    with pytest.raises(tg.ShardError, match="magic 0"):
+        next(gen)
+
+
 def test_max_num_docs_for():
     assert tg.max_num_docs_for(16384) == 128
     assert tg.max_num_docs_for(32768) == 128
