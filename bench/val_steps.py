@@ -3,13 +3,17 @@
     python bench/val_steps.py NEW_DIR [PRIOR_DIR] [--json out.json]
 
 Each DIR holds training logs (one per run, e.g. one per seed). Prints mean, std and the runs' values at every
-validation step, and with two sets the difference of the means and Welch's t-test p-value per step: the
-"same loss at the same step" check (an optimisation must not move these beyond run-to-run noise).
+validation step, and with two sets per step: the difference of the means, Welch's t-test p-value, its 95 % interval,
+and the smallest shift these runs could detect (two-sided 5 %, 80 % power: (t_0.975 + t_0.8) x the standard error,
+at Welch's degrees of freedom). The "same loss at the same step" check: an optimisation must not move these beyond
+run-to-run noise, and the detectable shift says how small a move the check could have seen.
 """
 import argparse
 import json
 import sys
 from pathlib import Path
+
+from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "records"))
 import compare  # noqa: E402
@@ -48,7 +52,9 @@ def compare_sets(new: dict, prior: dict) -> dict:
     for step in new:
         if step in prior and new[step]["n"] >= 2 and prior[step]["n"] >= 2:
             t = compare.welch(new[step]["losses"], prior[step]["losses"])
-            out[step] = dict(diff=new[step]["mean"] - prior[step]["mean"], p=t["p"])
+            detectable = (stats.t.ppf(0.975, t["df"]) + stats.t.ppf(0.8, t["df"])) * t["se"] if t["se"] > 0 else 0.0
+            out[step] = dict(diff=new[step]["mean"] - prior[step]["mean"], p=t["p"], ci95=list(t["ci"]), df=t["df"],
+                             detectable_shift=float(detectable), n_new=new[step]["n"], n_prior=prior[step]["n"])
     return out
 
 
@@ -85,7 +91,9 @@ def main(argv=None) -> int:
         result["new_minus_prior"] = diff
         print("new - prior:")
         for step, row in diff.items():
-            print(f"  step {step:>5}: {row['diff']:+.4f} (Welch p = {row['p']:.3f})")
+            print(f"  step {step:>5}: {row['diff']:+.4f} (Welch p = {row['p']:.3f}; 95 % interval "
+                  f"{row['ci95'][0]:+.4f} to {row['ci95'][1]:+.4f}; detectable shift {row['detectable_shift']:.4f}; "
+                  f"n = {row['n_new']} v {row['n_prior']})")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     return 0
