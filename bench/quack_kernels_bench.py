@@ -278,7 +278,7 @@ def section_host(calls: int = 40) -> list:
         inductor_mlp_fwd_bwd=lambda: compiled(x, w_fc, w_proj).backward(grad),
         quack_mlp_fwd_bwd=lambda: quack_mlp(x, w_fc, w_proj).backward(grad),
     )
-    try:  # the other Python-dispatched library of a step: FlashAttention-4, through the trainer.s calls
+    try:  # the other Python-dispatched library of a step: FlashAttention-4, through the trainer's calls
         tg.fa4_on_this_gpu()
         heads, hd = 6, 128
         qq, kk, vv = (torch.randn(T, heads, hd, device="cuda").bfloat16() for _ in range(3))
