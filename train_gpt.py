@@ -2157,6 +2157,7 @@ def load_data_shard(path, pin_memory: bool = False) -> Tensor:
         raise ShardError(f"shard {path}: read {nbytes} bytes, expected {2 * num_tokens}")
     return tokens
 
+
 def in_background(fn, *args) -> concurrent.futures.Future:
     """fn(*args) on a thread of its own (shard reads, BOS scans); .result() waits and re-raises its error."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speedrun-data")
