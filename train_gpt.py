@@ -130,11 +130,13 @@ class Hyperparameters:
     attn_backend: str = setting("auto", "attention kernels; auto: FlashAttention-4 (pip install flash-attn-4; "
                                         "Hopper/Blackwell), then PyTorch's FA2 varlen (closest to the record's FA3), "
                                         "then the reference (CPU)", ("auto", "fa4", "varlen", "reference"))
-    compile: str = setting("auto", "torch.compile the model and optimizer helpers; auto: on for CUDA",
-                           ("auto", "on", "off"))
-    fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA", ("auto", "on", "off"))
+    compile: str = setting("auto", "torch.compile the model and optimizer helpers; auto: on for CUDA; off: eager, "
+                                   "for debugging (and the CPU)", ("auto", "on", "off"))
+    fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA; off: bf16, for GPUs without "
+                               "FP8 (before Hopper)", ("auto", "on", "off"))
     fused_fp8_head: bool = setting(True, "FP8 lm_head + softcapped cross-entropy with a fused Triton forward and "
-                                         "backward (fast math: the softcap's sigmoid through the GPU's tanh.approx)")
+                                         "backward (fast math: the softcap's sigmoid through the GPU's tanh.approx); "
+                                         "false: unfused, closest to the record's arithmetic (fidelity checks)")
     mlp_kernel: str = setting("auto", "ReLU² MLP kernels: quack's fused GEMM+activation (pip install quack-kernels; "
                                       "Hopper/Blackwell; each attention output projection then adds its residual in "
                                       "a quack GEMM's epilogue too) or Inductor's (cuBLAS + fused pointwise); auto: "
@@ -146,7 +148,8 @@ class Hyperparameters:
     compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
                                      "with this torch/triton/GPU, written after the warm-up when not; empty: off")
     log_dir: str = setting("logs", "folder for <run-id>.txt")
-    fail_on_recompile: bool = setting(True, "stop if anything compiles inside the timed loop")
+    fail_on_recompile: bool = setting(True, "stop if anything compiles inside the timed loop; false: for "
+                                            "experiments that change shapes mid-run")
     smoke: bool = setting(False, "tiny preset for CPUs and tests: 128-wide model, 30+3 steps (flags still win)")
     check: bool = setting(False, "only validate the settings and the data for WORLD_SIZE processes, then exit "
                                  "(./run.sh does this before starting torchrun)")
