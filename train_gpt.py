@@ -32,6 +32,7 @@ import os
 os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import copy
@@ -1455,10 +1456,7 @@ def normuon_reduce_dim(label: str, shape) -> int:
 def normuon_groups(params, world_size: int) -> list:
     """[(name, params)]: the record's 8-GPU sizing [1, 10, 16, 16], or one group per (label, shape, dtype)."""
     labels = [getattr(p, "label", None) for p in params]
-    counts = {}
-    for lab in labels:
-        counts[lab] = counts.get(lab, 0) + 1
-    if world_size == 8 and counts == NORMUON_RECORD_COUNTS:
+    if world_size == 8 and collections.Counter(labels) == NORMUON_RECORD_COUNTS:
         ordered = sorted(params, key=lambda p: NORMUON_LABEL_ORDER.index(p.label))  # stable
         groups, start = [], 0
         for name, size in zip(("smear_gate", "attn_gate", "attn+mlp", "mlp"), NORMUON_RECORD_GROUP_SIZES):
