@@ -1454,23 +1454,14 @@ def normuon_reduce_dim(label: str, shape) -> int:
 
 
 def normuon_groups(params, world_size: int) -> list:
-    """[(name, params)]. The record's 43 matrices on several ranks: the record's groups of [1, 10, 16, 16] in label
-    order (smear gate; attention gates; the attention matrices and the first 6 MLP matrices; the last 16 MLP
-    matrices), the third cut in two where a rank's chunk would hold both attention and MLP matrices (the attention
-    update reshapes a whole shard), which at 8 ranks it does not. The last group's gradients are complete with a
-    third of the backward left, so its reduce-scatter runs under the rest. Otherwise one group per (label, shape,
-    dtype)."""
+    """[(name, params)]: the record's 8-GPU sizing [1, 10, 16, 16], or one group per (label, shape, dtype)."""
     labels = [getattr(p, "label", None) for p in params]
-    if world_size > 1 and collections.Counter(labels) == NORMUON_RECORD_COUNTS:
+    if world_size == 8 and collections.Counter(labels) == NORMUON_RECORD_COUNTS:
         ordered = sorted(params, key=lambda p: NORMUON_LABEL_ORDER.index(p.label))  # stable
         groups, start = [], 0
         for name, size in zip(("smear_gate", "attn_gate", "attn+mlp", "mlp"), NORMUON_RECORD_GROUP_SIZES):
-            ps, start = ordered[start:start + size], start + size
-            attn = sum(p.label == "attn" for p in ps)
-            if 0 < attn < size and attn % -(-size // world_size):
-                groups += [("attn", ps[:attn]), ("mlp", ps[attn:])]
-            else:
-                groups.append((name, ps))
+            groups.append((name, ordered[start:start + size]))
+            start += size
         return groups
     keyed = {}
     for p, lab in zip(params, labels):
@@ -1484,43 +1475,17 @@ def normuon_groups(params, world_size: int) -> list:
     return out
 
 
-class LaunchesFromGradHooks:
-    """Both optimizers launch reduce-scatters from gradient hooks while `should_sync` is set (the trainer sets it for
-    the last backward before a step) and keep them in self._pending, keyed by what each one reduces, in launch order.
-    A CUDA graph that captured the launches joins them (join_reduce_scatters) and at each replay tells the optimizer
-    which ran (reduce_scatters_replayed)."""
-
-    def launches_collectives(self) -> bool:
-        """Whether the next backward's hooks launch reduce-scatters (which then belong in its graph)."""
-        return self.should_sync and self.world_size > 1
-
-    def join_reduce_scatters(self) -> list:
-        """Make the current stream wait for every pending reduce-scatter (inside a CUDA graph's capture this joins
-        NCCL's stream back into the graph); returns their keys."""
-        for key, work in self._pending.items():
-            if work is not None:
-                work.wait()
-                self._pending[key] = None
-        return list(self._pending)
-
-    def reduce_scatters_replayed(self, keys: list) -> None:
-        """A replayed CUDA graph ran these reduce-scatters on the current stream: step() may use them."""
-        self._pending.update(dict.fromkeys(keys))
-
-
-class NorMuon(LaunchesFromGradHooks, torch.optim.Optimizer):
+class NorMuon(torch.optim.Optimizer):
     """Muon with Polar Express orthogonalization, NorMuon row normalisation and cautious weight decay, as in the
     December 2025 record.
 
     Params are grouped (normuon_groups) and every group is split into W contiguous chunks of ceil(size/W) params;
-    rank r updates only its chunk. A group's params become the rows of one stack of chunk*W matrices (zero padding
-    last), and its gradients are gathered in another (grad_buffers: where CUDA graphs accumulate them, so nothing is
-    copied): the reduce-scatter (AVG) reads the gradient stack into the rank's shard, the rank updates its rows of
-    the parameter stack in place, and the all-gather fills the stack in place. While should_sync is set, a gradient
-    hook launches a group's reduce-scatter as soon as the group's last gradient is in; step() launches the others
-    and updates the groups in launch order. Made at the first step, per group: momentum_buffer,
-    second_momentum_buffer (param dtype, the local shard stacked) and lr_eff / wd_eff (0-D CPU fp32 tensors, one
-    per local param)."""
+    rank r updates only its chunk. A group's params are the rows of one stack of chunk*W matrices (zero padding
+    last), its gradients are gathered in another (grad_buffers: CUDA graphs accumulate them there, so nothing is
+    copied). step(): reduce-scatter(AVG) every group's gradient stack into the rank's shard, update the rank's rows
+    of the parameter stack in place, all-gather the stack in place. Made at the first step, per group:
+    momentum_buffer, second_momentum_buffer (param dtype, the local shard stacked) and lr_eff / wd_eff (0-D CPU fp32
+    tensors, one per local param)."""
 
     def __init__(self, params, lr=0.023, weight_decay=1.2, momentum=0.95, beta2=0.95, orthogonalizer="polar"):
         if orthogonalizer not in ("polar", "turbo"):
@@ -1542,8 +1507,7 @@ class NorMuon(LaunchesFromGradHooks, torch.optim.Optimizer):
         # Static sharding layout, parallel to self.param_groups (param lists never change, also not on reload).
         W, r = self.world_size, self.rank
         self._layout = []
-        self._group_of = {}      # param -> the index of its group
-        self.grad_buffers = {}   # param -> its row of the group's gradient stack
+        self.grad_buffers = {}  # param -> its row of its group's gradient stack
         for group in self.param_groups:
             ps = group["params"]
             shape, dtype = ps[0].shape, ps[0].dtype
@@ -1566,16 +1530,11 @@ class NorMuon(LaunchesFromGradHooks, torch.optim.Optimizer):
                 row.copy_(p.detach())
                 p.data = row
                 self.grad_buffers[p] = grad_row
-                self._group_of[p] = len(self._layout)
             # the rank's rows of the averaged gradients (one rank: the gradient stack itself)
             shard = grads_stack[:chunk] if W == 1 else torch.empty_like(grads_stack[:chunk])
             self._layout.append(dict(size=size, chunk=chunk, lo=lo, hi=hi, is_attn=is_attn,
                                      reduce_dim=normuon_reduce_dim(local_label, shape),
                                      params=params_stack, grads=grads_stack, shard=shard))
-        self.should_sync = False
-        self._pending = {}                           # group index -> its reduce-scatter's async work (or None)
-        self._arrived = [0] * len(self.param_groups)  # gradients in per group since its last launch
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in params]
 
     def compile_helpers(self):
         """Route the per-shard math through torch.compile(dynamic=False) (CUDA); compilation happens on first use."""
@@ -1624,48 +1583,32 @@ class NorMuon(LaunchesFromGradHooks, torch.optim.Optimizer):
             self._cautious_update_fn(p, v[i], group["lr_eff"][i], group["wd_eff"][i])
 
     @torch.no_grad()
-    def _grad_hook(self, p: Tensor):
-        if self.launches_collectives():
-            index = self._group_of[p]
-            self._arrived[index] += 1
-            if self._arrived[index] == self._layout[index]["size"]:
-                self._launch(index)
-
-    def _launch(self, index: int):
-        """Gather group `index`'s gradients into its stack (those a graph did not accumulate there) and start its
-        reduce-scatter (AVG) into the rank's shard."""
-        layout = self._layout[index]
-        for p, row in zip(self.param_groups[index]["params"], layout["grads"]):
-            if p.grad is None:
-                row.zero_()
-            elif p.grad.data_ptr() != row.data_ptr():
-                row.copy_(p.grad)
-        self._arrived[index] = 0
-        work = None
-        if self.world_size > 1:
-            work = reduce_scatter(layout["shard"], layout["grads"], op=dist.ReduceOp.AVG, async_op=True)
-        self._pending[index] = work
-
-    @torch.no_grad()
     def step(self):
-        for index in range(len(self.param_groups)):
-            if index not in self._pending:
-                self._launch(index)
+        W, r = self.world_size, self.rank
+        # (1) every group's reduce-scatter, gate groups first, from its gradient stack (where a gradient made
+        # outside it, by an eager backward or by hand, is copied first)
+        scatters = []
+        for group, layout in zip(self.param_groups, self._layout):
+            for p, row in zip(group["params"], layout["grads"]):
+                if p.grad is None:
+                    row.zero_()
+                elif p.grad.data_ptr() != row.data_ptr():
+                    row.copy_(p.grad)
+            scatters.append(None if W == 1 else reduce_scatter(layout["shard"], layout["grads"],
+                                                               op=dist.ReduceOp.AVG, async_op=True))
+        # (2) per group: wait, update the rank's rows of the stack, all-gather the stack in place
         gathers = []
-        for index, work in self._pending.items():  # in launch order: the earliest reduce-scatters are done first
+        for group, layout, work in zip(self.param_groups, self._layout, scatters):
             if work is not None:
                 work.wait()
-            group, layout = self.param_groups[index], self._layout[index]
             n = layout["hi"] - layout["lo"]
             if n > 0:
                 self._update_shard(group, layout, layout["shard"][:n])
-            if self.world_size > 1:  # in place: the rank's chunk of the stack is the all-gather's input
+            if W > 1:
                 stack, chunk = layout["params"], layout["chunk"]
-                gathers.append(all_gather(stack, stack[self.rank * chunk:(self.rank + 1) * chunk], async_op=True))
+                gathers.append(all_gather(stack, stack[r * chunk:(r + 1) * chunk], async_op=True))
         for work in gathers:
             work.wait()
-        self._pending.clear()
-        self._arrived = [0] * len(self.param_groups)
 
 
 # =====================================================================================
@@ -1683,7 +1626,7 @@ def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_
     p.copy_(p.float() - step_size * (exp_avg.float() / (exp_avg_sq.float().sqrt() + eps)))
 
 
-class DistAdam(LaunchesFromGradHooks, torch.optim.Optimizer):
+class DistAdam(torch.optim.Optimizer):
     """ZeRO-1 Adam without weight decay (the record's): every param is split along dim 0 into W equal slices; rank
     r keeps the Adam state of, and updates, rows [r*n/W, (r+1)*n/W), then all-gathers the param.
 
@@ -1730,13 +1673,26 @@ class DistAdam(LaunchesFromGradHooks, torch.optim.Optimizer):
 
     @torch.no_grad()
     def _grad_hook(self, p: Tensor):
-        if not self.launches_collectives() or p.grad is None:
+        if not self.should_sync or self.world_size == 1 or p.grad is None:
             return
         if p not in self._grad_slices:
             lo, hi = self._slice_rows(p)
             self._grad_slices[p] = p.grad.new_empty((hi - lo, *p.shape[1:]))
         self._pending[p] = reduce_scatter(self._grad_slices[p], p.grad, op=dist.ReduceOp.AVG,
                                                       async_op=True)
+
+    def join_reduce_scatters(self) -> list:
+        """Make the current stream wait for every pending reduce-scatter (inside a CUDA graph's capture this joins
+        NCCL's stream back into the graph); returns their params."""
+        for p, work in self._pending.items():
+            if work is not None:
+                work.wait()
+                self._pending[p] = None
+        return list(self._pending)
+
+    def reduce_scatters_replayed(self, params: list) -> None:
+        """A replayed CUDA graph ran these params' reduce-scatters on the current stream: step() may use them."""
+        self._pending.update(dict.fromkeys(params))
 
     @torch.no_grad()
     def step(self):
@@ -2567,34 +2523,34 @@ class CudaGraph:
 
 
 class MicroBatchGraphs:
-    """Training micro-batches run as graphs, one per key (batch shapes, windows, softmax scale, and which optimizers'
-    reduce-scatters it launches). A key's first micro-batch runs eagerly (it may compile), its second is captured
-    (the eager run before the capture does its work), the later ones replay. new_graph: the graph type (tests
-    replace CUDA's)."""
+    """Training micro-batches run as graphs, one per key (batch shapes, windows, softmax scale, and whether it
+    launches DistAdam's reduce-scatters). A key's first micro-batch runs eagerly (it may compile), its second is
+    captured (the eager run before the capture does its work), the later ones replay. new_graph: the graph type
+    (tests replace CUDA's)."""
 
-    def __init__(self, model: nn.Module, optimizers: tuple, new_graph=CudaGraph):
-        self.model, self.optimizers, self.new_graph = model, optimizers, new_graph
+    def __init__(self, model: nn.Module, adam: "DistAdam", grad_buffers: dict = None, new_graph=CudaGraph):
+        self.model, self.adam, self.new_graph = model, adam, new_graph
+        self.grad_buffers = grad_buffers or {}  # param -> where an optimizer wants its gradient (NorMuon's stacks)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grads = None        # the gradient tensors every graph accumulates into
         self.divisor = None      # 0-D float32 on the device: micro-batches per step
         self.loss = None         # 0-D float32 on the device: the last replayed micro-batch's loss
         self.divisor_value = None
-        self.graphs = {}         # key -> (graph, static copies of the batch tensors, per optimizer what it reduces)
+        self.graphs = {}         # key -> (graph, static copies of the batch tensors, params it reduce-scatters)
         self.seen = set()
         self.captures = self.replays = 0
 
     def key(self, batch, ws_short: int, ws_long: int) -> tuple:
-        reduces = tuple(opt.launches_collectives() for opt in self.optimizers)
+        reduces = self.adam.should_sync and self.adam.world_size > 1
         return (tuple((t.shape, t.dtype) for t in batch), ws_short, ws_long, self.model.yarn.attn_scale, reduces)
 
     def attach_grads(self):
-        """Point every parameter's .grad at the graphs' buffers (an optimizer's, where it offers one): a None gradient
+        """Point every parameter's .grad at the graphs' buffers (grad_buffers' where given): a None gradient
         (zero_grad(set_to_none=True)) becomes the zeroed buffer, a gradient made elsewhere (an eager backward) is
         copied into it."""
         if self.grads is None:
-            offered = {p: g for opt in self.optimizers for p, g in getattr(opt, "grad_buffers", {}).items()}
-            self.grads = [offered[p] if p in offered else torch.zeros_like(p) if p.grad is None else p.grad
-                          for p in self.params]
+            self.grads = [self.grad_buffers[p] if p in self.grad_buffers else
+                          torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
         zero = []
         for p, g in zip(self.params, self.grads):
             if p.grad is g:
@@ -2629,7 +2585,7 @@ class MicroBatchGraphs:
 
             def micro_batch():
                 self.loss.copy_(forward_backward(*static, ws_short, ws_long, self.divisor))
-                reduced[:] = [opt.join_reduce_scatters() for opt in self.optimizers]
+                reduced[:] = self.adam.join_reduce_scatters()
 
             graph = self.new_graph()
             graph.capture(micro_batch)
@@ -2640,9 +2596,8 @@ class MicroBatchGraphs:
         for mine, t in zip(static, batch):
             mine.copy_(t, non_blocking=True)
         graph.replay()
-        for opt, keys in zip(self.optimizers, reduced):
-            if keys:
-                opt.reduce_scatters_replayed(keys)
+        if reduced:
+            self.adam.reduce_scatters_replayed(reduced)
         self.replays += 1
         return True
 
@@ -2735,9 +2690,7 @@ class Trainer:
         a stage switch, else None. losses: gets each micro-batch's summed loss (0-D tensors on the device).
         optimize=False stops before the optimizers (the benchmark's graphs-against-eager check)."""
         for micro in range(micro_batches):
-            # The gradient hooks of a step's last backward launch the reduce-scatters: NorMuon's every step, Adam's on
-            # the odd steps, where it steps
-            self.muon.should_sync = micro == micro_batches - 1
+            # Adam steps on odd steps: the gradient hooks of that step's last backward launch its reduce-scatters
             self.adam.should_sync = step % 2 == 1 and micro == micro_batches - 1
             batch = batches.get(settings if micro == 0 else None)
             if self.graphs is not None and self.graphs.run(batch, ws_short, ws_long, micro_batches,
@@ -2800,15 +2753,12 @@ class Trainer:
                                      opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
         table = stages(a)
         batches = self.new_batches(table[0].batch_size)
-        # With several ranks a step's last micro-batch launches collectives from its gradient hooks (a graph of its
-        # own); where a step has more micro-batches, the others are plain: warm both kinds.
-        warm_up_micro_batches = min(2, self.rt.grad_accum_steps) if self.rt.world_size > 1 else 1
         for stage in table:
             t = time.time()
             self.model.yarn.set_window(stage.ws_long)
             for k in range(a.warmup_steps_per_stage):
                 self.train_step(k, batches, (stage.batch_size, a.train_max_seq_len, self.rt.grad_accum_steps),
-                                stage.ws_short, stage.ws_long, micro_batches=warm_up_micro_batches)
+                                stage.ws_short, stage.ws_long, micro_batches=1)
             synchronize(self.rt.device)
             seconds = time.time() - t
             self.warm_up_times.append((f"train batch {stage.batch_size} window {stage.ws_long}", seconds))
@@ -3166,7 +3116,7 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Traine
     if args.seed >= 0:
         torch.manual_seed(args.seed)
     model, adam, muon = build_model_and_optimizers(args, rt)
-    graphs = MicroBatchGraphs(model, (adam, muon)) if rt.cuda_graphs else None
+    graphs = MicroBatchGraphs(model, adam, muon.grad_buffers) if rt.cuda_graphs else None
     return Trainer(args, rt, model, adam, muon, train_files, val_file, log, graphs)
 
 

@@ -398,11 +398,9 @@ def check_cuda_graphs(trainer, args) -> dict:
                     # an odd step: with several processes its last micro-batch launches Adam's reduce-scatters
                     trainer.train_step(1, trainer.new_batches(stage.batch_size), None, stage.ws_short,
                                        stage.ws_long, trainer.rt.grad_accum_steps, losses[name], optimize=False)
-                    trainer.adam.should_sync = trainer.muon.should_sync = False
+                    trainer.adam.should_sync = False
                     averaged = [trainer.adam._grad_slices[p] for p in trainer.adam.join_reduce_scatters()]
-                    averaged += [trainer.muon._layout[i]["shard"] for i in trainer.muon.join_reduce_scatters()]
                     trainer.adam._pending.clear()  # no optimizer step follows
-                    trainer.muon._pending.clear()
                     grads[name] = [g.detach().float().clone() for g in [p.grad for p in model.parameters()] + averaged]
                     losses[name] = [x.float() for x in losses[name]]
                 rows.append(dict(stage=stage.name,
@@ -416,7 +414,7 @@ def check_cuda_graphs(trainer, args) -> dict:
         model.zero_grad(set_to_none=True)
         model.yarn.reset()
     return dict(what="one step per stage from the same weights and batches: each micro-batch's loss and the "
-                     "step's gradients (with several processes also both optimizers' reduce-scattered averages)",
+                     "step's gradients (with several processes also DistAdam's reduce-scattered averages)",
                 world_size=trainer.rt.world_size, captures=graphs.captures, stages=rows)
 
 
@@ -425,8 +423,8 @@ def measure_optimizers(trainer, args, repeats: int = 20) -> dict:
     stage = tg.stages(args)[-2]  # the last scheduled stage: the largest batch and window
     batches = trainer.new_batches(stage.batch_size)
     inputs, targets, cu = batches.get()
-    trainer.adam.should_sync = trainer.muon.should_sync = False  # every timed step launches its own collectives
     trainer.model(inputs, targets, cu, stage.ws_short, stage.ws_long, args.train_max_seq_len).backward()
+    trainer.adam.should_sync = False
     with tg.no_compiles_allowed():
         muon_ms = statistics.median(timed(trainer.muon.step, repeats))
         adam_ms = statistics.median(timed(trainer.adam.step, repeats))

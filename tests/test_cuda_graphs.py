@@ -65,7 +65,7 @@ def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(tra
                                  opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
     eager, eager_losses = train_steps(trainer, None)
     from_the_start(trainer, initial)
-    graphs = tg.MicroBatchGraphs(trainer.model, (trainer.adam, trainer.muon), new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers, new_graph=RerunGraph)
     graphed, graphed_losses = train_steps(trainer, graphs)
     from_the_start(trainer, initial)
     assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
@@ -78,7 +78,7 @@ def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(tra
 
 
 def test_a_stage_gets_a_new_graph_when_its_windows_or_softmax_scale_change(trainer):
-    graphs = tg.MicroBatchGraphs(trainer.model, (trainer.adam, trainer.muon), new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, new_graph=RerunGraph)
     batch = (torch.zeros(128, dtype=torch.int32), torch.zeros(128, dtype=torch.int64),
              torch.zeros(4, dtype=torch.int32))
     base = graphs.key(batch, 1, 3)
@@ -94,12 +94,17 @@ def test_a_stage_gets_a_new_graph_when_its_windows_or_softmax_scale_change(train
 
 def test_gradients_set_to_none_come_back_zeroed_and_eager_ones_are_copied_into_the_buffers(trainer):
     model = trainer.model
-    graphs = tg.MicroBatchGraphs(model, (trainer.adam, trainer.muon), new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(model, trainer.adam, trainer.muon.grad_buffers, new_graph=RerunGraph)
     try:
         for p in model.parameters():
             p.grad = torch.full_like(p, 2.0)
         graphs.attach_grads()
         buffers = [p.grad for p in model.parameters()]
+        # NorMuon's gradients accumulate in the rows of its gradient stacks, where its reduce-scatter reads them
+        muon_params = trainer.muon.grad_buffers.keys()
+        assert len(muon_params) > 0
+        assert all(p.grad is trainer.muon.grad_buffers[p] for p in muon_params)
+        assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in muon_params)
         model.zero_grad(set_to_none=True)
         first, second = list(model.parameters())[:2]
         second.grad = torch.full_like(second, 3.0)  # as an eager backward leaves it
@@ -122,15 +127,13 @@ def test_cuda_graphs_resolve_on_with_cuda_and_compile_at_every_world_size_and_re
         tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--cuda-graphs", "on"]), env={})
 
 
-# Two processes (gloo): the micro-batch that ends a step launches NorMuon's reduce-scatters from its gradient hooks,
-# and on the odd steps DistAdam's too. Each kind gets a graph of its own, whose replay must leave the averaged
-# gradients where the optimizers' steps read them.
+# Two processes (gloo): the micro-batch that ends an Adam step launches DistAdam's reduce-scatters from its gradient
+# hooks. It gets a graph of its own, whose replay must leave the averaged gradients where DistAdam's step reads them.
 
 def _graphs_against_eager_on_two_ranks(rank, world_size, data):
     """Six steps of stage 1 with two ranks (four micro-batches each per step), eagerly and through stand-in graphs:
-    the plain micro-batch's key is captured in step 0; the last micro-batch of the even steps (NorMuon's
-    reduce-scatters) runs eagerly in step 0, is captured in step 2 and replayed in step 4; that of the odd steps
-    (both optimizers') runs eagerly in step 1, is captured in step 3 and replayed in step 5."""
+    the plain micro-batch's key is captured in step 0, the reduce-scattering one (the last of each odd step) runs
+    eagerly in step 1, is captured in step 3 and replayed in step 5."""
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0",
                           "--train-max-seq-len", "128", "--data-path", str(data)])
     rt = tg.resolve_runtime(args, env={"WORLD_SIZE": str(world_size), "RANK": str(rank)})
@@ -149,32 +152,28 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data):
 
     eager, eager_losses = six_steps(None)
     from_the_start(trainer, initial)
-    graphs = tg.MicroBatchGraphs(model, (adam, muon), new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(model, adam, muon.grad_buffers, new_graph=RerunGraph)
     replayed = []
-    for name, opt in (("adam", adam), ("muon", muon)):
-        real = opt.reduce_scatters_replayed
-        opt.reduce_scatters_replayed = lambda keys, name=name, real=real: (replayed.append((name, len(keys))),
-                                                                             real(keys))
+    real_replayed = adam.reduce_scatters_replayed
+    adam.reduce_scatters_replayed = lambda params: (replayed.append(len(params)), real_replayed(params))
     graphed, graphed_losses = six_steps(graphs)
     return dict(same_weights=all(torch.equal(a, b) for a, b in zip(graphed, eager)),
                 same_losses=all(torch.equal(a, b) for a, b in zip(graphed_losses, eager_losses)),
-                weights=[w.float().sum().item() for w in graphed], muon_groups=len(muon.param_groups),
-                reduce_scattering=[[len(keys) for keys in entry[2]] for entry in graphs.graphs.values()],
+                weights=[w.float().sum().item() for w in graphed],
+                reduce_scattering=[len(entry[2]) for entry in graphs.graphs.values()],
                 reduce_scatters_replayed=replayed, captures=graphs.captures, replays=graphs.replays)
 
 
 @pytest.mark.slow
-def test_two_ranks_replay_the_reduce_scattering_micro_batches_as_graphs_of_their_own_and_match_eager_bit_for_bit(
-        tmp_path):
+def test_two_ranks_replay_the_reduce_scattering_micro_batch_as_its_own_graph_and_match_eager_bit_for_bit(tmp_path):
     from dist_utils import run_gloo
     build_shards(tmp_path / "data", train_shards=1, tokens_per_train_shard=80_000, val_tokens=10_000)
     ranks = run_gloo(_graphs_against_eager_on_two_ranks, 2, tmp_path / "data")
     for r in ranks:
         assert r["same_weights"] and r["same_losses"]
-        # three keys: the plain micro-batch, the last of an even step (every NorMuon group), the last of an odd step
-        # (also DistAdam's six params); 24 micro-batches, three eager and three captured, the rest replayed
-        groups = r["muon_groups"]
-        assert r["reduce_scattering"] == [[0, 0], [0, groups], [6, groups]]
-        assert (r["captures"], r["replays"]) == (3, 18)
-        assert r["reduce_scatters_replayed"] == [("muon", groups), ("adam", 6), ("muon", groups)]
+        # two keys: the plain micro-batch's graph and the one ending an Adam step, which reduce-scatters all six of
+        # DistAdam's params; 24 micro-batches, two run eagerly and two captured, the rest replayed, step 5's last
+        # the reduce-scattering graph
+        assert r["reduce_scattering"] == [0, 6]
+        assert (r["captures"], r["replays"], r["reduce_scatters_replayed"]) == (2, 20, [6])
     assert ranks[0]["weights"] == ranks[1]["weights"]  # the replicas stay identical

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Device call 2.. (warm; carry .carry/fa4b in the first, .carry/base_nm in each): the rank of an 8-GPU run at W=4
 # (bench.py --stages-only --as-world-size 8), this tree ("new", commit NEW: NorMuon's reduce-scatters from the
-# gradient hooks, its params and gradients in stacks) against BASE's train_gpt.py and bench.py in a copy of this tree
-# ("base"), alternating new, base for ROUNDS rounds (the first round also profiles stages 1 and 3), then one GPU's
-# stage times (W1=1) and W=4 itself (W4=1), each only with time left before LIMIT seconds. One archive comes back.
+# gradient hooks or not, its params and gradients in stacks) against BASE's train_gpt.py and bench.py in a copy of
+# this tree ("base"), alternating new, base for ROUNDS rounds (PROFILE=1: the first round also profiles stages 1 and
+# 3), then one GPU's stage times, new and base (W1=1), and W=4 itself with the graphs-against-eager check (W4=1),
+# each only with time left before LIMIT seconds. One archive comes back.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 T0=$(date +%s); W=/tmp/w; mkdir -p $W
@@ -26,10 +27,13 @@ bench() {  # bench NAME DIR COMMIT NEEDS_S LAUNCH... -- BENCH_FLAGS...
     echo "$name: exit $?"; grep -E "^(stage [123]|extension|cold start \()" $W/${name}_console.txt | cut -c1-150
 }
 for r in $(seq ${FIRST:-1} ${ROUNDS:-3}); do
-    prof=(); [ "$r" = 1 ] && prof=(--profile-stages 1,3)
+    prof=(); [ "$r" = 1 ] && [ "${PROFILE:-0}" = 1 ] && prof=(--profile-stages 1,3)
     bench as8_new$r $PWD $NEW 100 $T4 -- --steps 16 --as-world-size 8 "${prof[@]}"
     bench as8_base$r /tmp/base $BASE 100 $T4 -- --steps 16 --as-world-size 8 "${prof[@]}"
 done
-[ "${W1:-0}" = 1 ] && CUDA_VISIBLE_DEVICES=0 bench w1_new $PWD $NEW 120 python3 -- --steps 12
+if [ "${W1:-0}" = 1 ]; then
+    CUDA_VISIBLE_DEVICES=0 bench w1_new $PWD $NEW 100 python3 -- --steps 12
+    CUDA_VISIBLE_DEVICES=0 bench w1_base /tmp/base $BASE 100 python3 -- --steps 12
+fi
 [ "${W4:-0}" = 1 ] && bench w4_new $PWD $NEW 80 $T4 -- --steps 12 --check-graphs
 true
