@@ -4,18 +4,23 @@ time to the last step, beside the record's own 8xH100 log.
     python bench/predict_8gpu.py --rank-bench RANK8.json --w1-bench W1.json --nccl NCCL.json [--out PREDICTION.json]
 
 Inputs (result JSONs, so the model is rerun, not retyped):
-  --rank-bench  bench/bench.py run as ranks of an 8-GPU run (torchrun --nproc_per_node=2 bench/bench.py --stages-only
-                --as-world-size 8): per stage, a rank that runs the 8-GPU run's one micro-batch per step, its host
-                enqueue time, and its GPU timeline (idle time; communication busy and the part no compute hides)
+  --rank-bench  bench/bench.py run as ranks of an 8-GPU run (torchrun --nproc_per_node=K bench/bench.py --stages-only
+                --as-world-size 8, K = 2 or 4): per stage, a rank that runs the 8-GPU run's one micro-batch per step,
+                its host enqueue time, and its GPU timeline (idle time; communication busy and the part no compute
+                hides)
   --w1-bench    bench/bench.py on one GPU (--stages-only): the whole step, 8 micro-batches and the optimizers
   --nccl        bench/nccl_bandwidth.py --for-world-size 8: the collectives of one step at W=8, each timed at W=8's
                 sizes, as bus bandwidth, and so their time at W=8
 Per stage:      predicted = one GPU's step / 8 + the rank's idle time + the communication W=8 leaves exposed.
   - One GPU's step / 8 is a W=8 rank's compute: its micro-batch is an eighth of the step's, and so is its share of
-    the optimizers (DistAdam's rows, NorMuon's matrices: 4 of the 32 large ones at W=8, against 16 of 32 at W=2,
-    which is why the W=2 rank's own step is longer by that excess).
-  - The exposed share at W=8 is W=2's (what the schedule hides is a property of the step, not of the link), applied
-    to the W=8 collectives' time.
+    the optimizers (DistAdam's rows, NorMuon's matrices: 4 of the 32 large ones at W=8, against 16 of 32 at K=2 and
+    9 at K=4, which is why the rank's own step is longer by that excess). It leaves out whatever a rank does per
+    step that does not shrink with W.
+  - The exposed share at W=8 is the rank run's (what the schedule hides is a property of the step, not of the
+    link), applied to the W=8 collectives' time.
+Beside it:      the rank's own measured steps summed over the run, a second estimate: it carries 8/K times an 8-GPU
+                rank's optimizer share and K ranks' collectives, but no assumption about what shrinks with W (on
+                4 H200s a rank's compute came out below one GPU's step / 8 at stage 3, its share included).
 Leaves out: the link (W=8's NVSwitch taken to give the bus bandwidth two NVLinked GPUs give; this workplace measured
             329 / 355 / 361 GB/s for a 1 GiB all-reduce on 2 / 4 / 8 H100s); stragglers among 8 ranks; validation
             (outside the train time); the GPUs' own speed (the prediction is of the machine the inputs ran on).
@@ -61,11 +66,11 @@ def predict(rank: dict, w1: dict, nccl: dict, record_ms: dict, record_total_s: f
         predicted = compute + t["idle_ms"] + comm_w8 * exposed_share
         ref = record_ms.get(stage["name"])
         rows.append(dict(stage=stage["name"], one_gpu_step_ms=one_gpu[stage["name"]], rank_compute_ms=compute,
-                         rank_idle_ms=t["idle_ms"], w2_rank_step_ms=stage["median_ms"],
-                         w2_rank_host_ms=stage["host_ms"], host_share=stage["host_ms"] / stage["median_ms"],
-                         w2_rank_optimizer_excess_ms=t["compute_busy_ms"] - compute,
-                         communication_busy_ms_w2=t["communication_busy_ms"],
-                         communication_exposed_ms_w2=t["communication_exposed_ms"], exposed_share=exposed_share,
+                         rank_idle_ms=t["idle_ms"], rank_step_ms=stage["median_ms"],
+                         rank_host_ms=stage["host_ms"], host_share=stage["host_ms"] / stage["median_ms"],
+                         rank_compute_beyond_one_gpu_ms=t["compute_busy_ms"] - compute,
+                         communication_busy_ms_rank=t["communication_busy_ms"],
+                         communication_exposed_ms_rank=t["communication_exposed_ms"], exposed_share=exposed_share,
                          communication_ms_w8=comm_w8, communication_exposed_ms_w8=comm_w8 * exposed_share,
                          predicted_ms=predicted, record_ms=ref, ratio=predicted / ref if ref else None))
     steps = {}
@@ -74,24 +79,28 @@ def predict(rank: dict, w1: dict, nccl: dict, record_ms: dict, record_total_s: f
         steps[name] = steps.get(name, 0) + 1
     by_name = {r["stage"]: r for r in rows}
     total_s = sum(n * by_name[name]["predicted_ms"] for name, n in steps.items()) / 1000
+    rank_total_s = sum(n * by_name[name]["rank_step_ms"] for name, n in steps.items()) / 1000
     return dict(stages=rows, steps_per_stage=steps, predicted_total_s=total_s, record_total_s=record_total_s,
-                total_ratio=total_s / record_total_s,
+                total_ratio=total_s / record_total_s, rank_world_size=rank.get("world_size"),
+                rank_step_total_s=rank_total_s,
                 inputs={name: dict(device=j.get("device"), commit=j.get("commit"), date=j.get("date"),
                                    world_size=j.get("world_size"), as_world_size=j.get("as_world_size"))
                         for name, j in (("rank_bench", rank), ("w1_bench", w1), ("nccl", nccl))})
 
 
 def table(p: dict) -> str:
-    lines = [f"{'stage':<10} {'W=2 rank':>8} {'host %':>7} {'1 GPU/8':>8} {'idle':>5} {'comm W8':>8} {'exp W8':>7} "
+    rank = f"W={p['rank_world_size']} rank"
+    lines = [f"{'stage':<10} {rank:>8} {'host %':>7} {'1 GPU/8':>8} {'idle':>5} {'comm W8':>8} {'exp W8':>7} "
              f"{'predicted':>9} {'record':>7} {'x record':>8}"]
     for r in p["stages"]:
         ref = f"{r['record_ms']:.1f}" if r["record_ms"] else ""
         ratio = f"{r['ratio']:.3f}" if r["ratio"] else ""
-        lines.append(f"{r['stage']:<10} {r['w2_rank_step_ms']:>8.1f} {100 * r['host_share']:>6.0f}% "
+        lines.append(f"{r['stage']:<10} {r['rank_step_ms']:>8.1f} {100 * r['host_share']:>6.0f}% "
                      f"{r['rank_compute_ms']:>8.1f} {r['rank_idle_ms']:>5.2f} {r['communication_ms_w8']:>8.2f} "
                      f"{r['communication_exposed_ms_w8']:>7.2f} {r['predicted_ms']:>9.1f} {ref:>7} {ratio:>8}")
     lines.append(f"time to step {sum(p['steps_per_stage'].values())}: predicted {p['predicted_total_s']:.1f} s, "
-                 f"the record {p['record_total_s']:.1f} s ({p['total_ratio']:.3f}x)")
+                 f"the record {p['record_total_s']:.1f} s ({p['total_ratio']:.3f}x); the {rank}'s own steps "
+                 f"{p['rank_step_total_s']:.1f} s")
     return "\n".join(lines)
 
 

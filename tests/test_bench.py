@@ -259,5 +259,7 @@ def test_the_8_gpu_model_adds_to_an_eighth_of_one_gpus_step_the_idle_time_and_th
     assert p["steps_per_stage"] == {"stage 1": 707, "stage 2": 707, "stage 3": 706, "extension": 40}
     assert p["predicted_total_s"] == pytest.approx((707 * 27.5 + 707 * 52.5 + 706 * 77.5 + 40 * 78.5) / 1000)
     assert p["record_total_s"] == pytest.approx(131.156)
+    # beside it, the rank's own steps: 30 / 50 / 70 / 70 ms
+    assert p["rank_step_total_s"] == pytest.approx((707 * 30 + 707 * 50 + 706 * 70 + 40 * 70) / 1000)
     files["rank"].write_text(json.dumps(dict(rank, as_world_size=1)))
     assert predict_8gpu.main(argv) == 2
