@@ -21,7 +21,7 @@ Per stage:      predicted = one GPU's step / 8 + the rank's idle time + the comm
 Beside it:      the rank's own measured steps summed over the run, a second estimate: it carries 8/K times an 8-GPU
                 rank's optimizer share and K ranks' collectives, but no assumption about what shrinks with W (on
                 4 H200s a rank's compute came out below one GPU's step / 8 at stage 3, its share included).
-Leaves out: the link (W=8's NVSwitch taken to give the bus bandwidth two NVLinked GPUs give; this workplace measured
+Leaves out: the link (W=8's NVSwitch taken to give the bus bandwidth the K NVLinked GPUs give; this workplace measured
             329 / 355 / 361 GB/s for a 1 GiB all-reduce on 2 / 4 / 8 H100s); stragglers among 8 ranks; validation
             (outside the train time); the GPUs' own speed (the prediction is of the machine the inputs ran on).
 """
