@@ -1532,7 +1532,7 @@ class NorMuon(torch.optim.Optimizer):
                 self.grad_buffers[p] = grad_row
             # the rank's rows of the averaged gradients (one rank: the gradient stack itself)
             shard = grads_stack[:chunk] if W == 1 else torch.empty_like(grads_stack[:chunk])
-            self._layout.append(dict(size=size, chunk=chunk, lo=lo, hi=hi, is_attn=is_attn,
+            self._layout.append(dict(chunk=chunk, lo=lo, hi=hi, is_attn=is_attn,
                                      reduce_dim=normuon_reduce_dim(local_label, shape),
                                      params=params_stack, grads=grads_stack, shard=shard))
 
