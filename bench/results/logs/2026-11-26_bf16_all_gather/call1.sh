@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call 1 (a fresh nvidia-h100-x2 or -x4; carry .carry/fa4a): keep FA4's first part in /tmp while the machine is
 # warm; then NCCL's bus bandwidth at the sizes of the 8-GPU step's collectives (bench/nccl_bandwidth.py), with NCCL's
-# defaults and with a few of its settings changed (channels, buffer size, protocol). One archive comes back.
+# defaults and (SWEEP=1) with a few of its settings changed (channels, buffer size, protocol). One archive comes back.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 W=/tmp/w; mkdir -p $W
 finish() { tar czf $OUT/call1.tgz -C $W . ; ls -la $OUT; }
@@ -20,6 +20,7 @@ sweep() {  # sweep NAME [VAR=VALUE ...]
 sweep default NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING
 grep -E "NCCL_|nchannels|Channel|ncclAlgo|busBw|coll " $W/nccl_default_console.txt | head -5
 grep -E "^(reduce_scatter|all_gather)" $W/nccl_default_console.txt | head -20
+[ "${SWEEP:-1}" = 1 ] || exit 0
 sweep ch32 NCCL_MIN_NCHANNELS=32
 sweep buf16 NCCL_BUFFSIZE=16777216
 sweep simple NCCL_PROTO=Simple
