@@ -1483,10 +1483,7 @@ class NorMuon(torch.optim.Optimizer):
     rank r updates only its chunk. A group's params are the rows of one stack of chunk*W matrices (zero padding
     last), its gradients are gathered in another (grad_buffers: CUDA graphs accumulate them there, so nothing is
     copied). step(): reduce-scatter(AVG) every group's gradient stack into the rank's shard, update the rank's rows
-    of the parameter stack in place, all-gather the stack. The model reads its fp32 matrices only through a bf16
-    cast, so their all-gather sends that cast (half the bytes) and widens it into the other ranks' rows: each rank's
-    own rows keep full precision, and the forward sees the same bf16 values on every rank as with an fp32 all-gather
-    (gather_full_precision() makes the replicas bit-identical, for a checkpoint). Made at the first step, per group:
+    of the parameter stack in place, all-gather the stack in place. Made at the first step, per group:
     momentum_buffer, second_momentum_buffer (param dtype, the local shard stacked) and lr_eff / wd_eff (0-D CPU fp32
     tensors, one per local param)."""
 
@@ -1535,17 +1532,9 @@ class NorMuon(torch.optim.Optimizer):
                 self.grad_buffers[p] = grad_row
             # the rank's rows of the averaged gradients (one rank: the gradient stack itself)
             shard = grads_stack[:chunk] if W == 1 else torch.empty_like(grads_stack[:chunk])
-            wire_dtype = self.all_gather_dtype(dtype)
-            wire = torch.empty(params_stack.shape, dtype=wire_dtype, device=ps[0].device) \
-                if W > 1 and wire_dtype != dtype else None  # what the all-gather sends, where not the stack itself
             self._layout.append(dict(chunk=chunk, lo=lo, hi=hi, is_attn=is_attn,
                                      reduce_dim=normuon_reduce_dim(local_label, shape),
-                                     params=params_stack, grads=grads_stack, shard=shard, wire=wire))
-
-    @staticmethod
-    def all_gather_dtype(dtype: torch.dtype) -> torch.dtype:
-        """What step()'s all-gather sends of a stack of this dtype: bf16, what the forward reads."""
-        return torch.bfloat16 if dtype == torch.float32 else dtype
+                                     params=params_stack, grads=grads_stack, shard=shard))
 
     def compile_helpers(self):
         """Route the per-shard math through torch.compile(dynamic=False) (CUDA); compilation happens on first use."""
@@ -1595,7 +1584,7 @@ class NorMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        W = self.world_size
+        W, r = self.world_size, self.rank
         # (1) every group's reduce-scatter, gate groups first, from its gradient stack (where a gradient made
         # outside it, by an eager backward or by hand, is copied first)
         scatters = []
@@ -1607,7 +1596,7 @@ class NorMuon(torch.optim.Optimizer):
                     row.copy_(p.grad)
             scatters.append(None if W == 1 else reduce_scatter(layout["shard"], layout["grads"],
                                                                op=dist.ReduceOp.AVG, async_op=True))
-        # (2) per group: wait, update the rank's rows of the stack, all-gather them (as bf16 where the stack is fp32)
+        # (2) per group: wait, update the rank's rows of the stack, all-gather the stack in place
         gathers = []
         for group, layout, work in zip(self.param_groups, self._layout, scatters):
             if work is not None:
@@ -1616,29 +1605,10 @@ class NorMuon(torch.optim.Optimizer):
             if n > 0:
                 self._update_shard(group, layout, layout["shard"][:n])
             if W > 1:
-                wire, mine = layout["wire"], self._own_rows(layout)
-                if wire is None:
-                    gathers.append((all_gather(layout["params"], layout["params"][mine], async_op=True), None))
-                else:
-                    wire[mine].copy_(layout["params"][mine])
-                    gathers.append((all_gather(wire, wire[mine], async_op=True), layout))
-        for work, layout in gathers:
+                stack, chunk = layout["params"], layout["chunk"]
+                gathers.append(all_gather(stack, stack[r * chunk:(r + 1) * chunk], async_op=True))
+        for work in gathers:
             work.wait()
-            if layout is not None:  # widen the other ranks' rows; the own rows keep their full precision
-                mine = self._own_rows(layout)
-                layout["params"][:mine.start].copy_(layout["wire"][:mine.start])
-                layout["params"][mine.stop:].copy_(layout["wire"][mine.stop:])
-
-    def _own_rows(self, layout) -> slice:
-        return slice(self.rank * layout["chunk"], (self.rank + 1) * layout["chunk"])
-
-    @torch.no_grad()
-    def gather_full_precision(self):
-        """All-gather every stack that step() sends as bf16 at its full precision: afterwards every rank holds
-        the owners' exact params (for a checkpoint or the replica check; training never needs it)."""
-        for layout in self._layout:
-            if layout["wire"] is not None:
-                all_gather(layout["params"], layout["params"][self._own_rows(layout)])
 
 
 # =====================================================================================
@@ -2858,7 +2828,6 @@ class Trainer:
                 self.train_step(step, batches, settings, ws_short, ws_long, self.rt.grad_accum_steps)
                 approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
                 log(f"step:{step + 1}/{total} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
-        self.muon.gather_full_precision()  # the replicas leave training bit-identical
         return RunResult(steps=total, val_loss=val_loss, train_time_ms=training_time_ms)
 
 

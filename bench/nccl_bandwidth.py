@@ -4,7 +4,7 @@
 
 The collectives one training step launches at --for-world-size ranks, from the model's parameters (built on the meta
 device, no memory): NorMuon's reduce-scatter of each group's stacked gradients and all-gather of the updated
-matrices (the fp32 ones as bf16) every step, DistAdam's reduce-scatter of each gradient and all-gather of each parameter every other step.
+matrices every step, DistAdam's reduce-scatter of each gradient and all-gather of each parameter every other step.
 Each is timed here, at this run's world size, with CUDA events (median of --iters after a warm-up), and reported
 as NCCL's bus bandwidth (algorithm bandwidth x (W-1)/W, the figure that stays comparable across world sizes for
 reduce-scatter and all-gather); the time at --for-world-size is then size x (W'-1)/W' / that bandwidth.
@@ -38,11 +38,11 @@ def step_collectives(world: int) -> list:
     out = []
     normuon = [p for p in model.parameters() if p.label in tg.NORMUON_LABEL_ORDER]
     for name, ps in tg.normuon_groups(normuon, world):
-        rows = math.ceil(len(ps) / world) * world
-        # the gradients reduce-scattered in the params' dtype, the updated params all-gathered in what the forward reads
-        for op, dtype in (("reduce_scatter", ps[0].dtype), ("all_gather", tg.NorMuon.all_gather_dtype(ps[0].dtype))):
+        chunk = math.ceil(len(ps) / world)
+        nbytes = chunk * world * ps[0].numel() * ps[0].element_size()
+        for op in ("reduce_scatter", "all_gather"):
             out.append((op, f"NorMuon {name} ({len(ps)} x {'x'.join(map(str, ps[0].shape))})",
-                        str(dtype).removeprefix("torch."), rows * ps[0].numel() * dtype.itemsize, 1.0))
+                        str(ps[0].dtype).removeprefix("torch."), nbytes, 1.0))
     for label in tg.DISTADAM_LABEL_ORDER:
         for i, p in enumerate(by_label[label]):
             for op in ("reduce_scatter", "all_gather"):

@@ -148,7 +148,6 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data):
         batches = trainer.new_batches(stage.batch_size)
         for step in range(6):
             trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, rt.grad_accum_steps, losses)
-        muon.gather_full_precision()
         return [p.detach().clone() for p in model.parameters()], losses
 
     eager, eager_losses = six_steps(None)
