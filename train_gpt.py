@@ -2523,13 +2523,17 @@ class CudaGraph:
 
 
 class MicroBatchGraphs:
-    """Training micro-batches run as graphs, one per key (batch shapes, windows, softmax scale, and whether it
-    launches DistAdam's reduce-scatters). A key's first micro-batch runs eagerly (it may compile), its second is
-    captured (the eager run before the capture does its work), the later ones replay. new_graph: the graph type
-    (tests replace CUDA's)."""
+    """Training micro-batches run as graphs, one per key (batch shapes, windows, softmax scale, whether it launches
+    DistAdam's reduce-scatters, and which gradients it starts). A key's first micro-batch runs eagerly (it may
+    compile), its second is captured (the eager run before the capture does its work), the later ones replay.
+    writes_first: every step is one micro-batch (8 GPUs), so a gradient set to None starts its sum in it: the graph
+    hands it over as the record's backward does (autograd's own tensor) and copies it into its buffer, instead of
+    zeroing the buffer and adding to it. new_graph: the graph type (tests replace CUDA's)."""
 
-    def __init__(self, model: nn.Module, adam: "DistAdam", grad_buffers: dict = None, new_graph=CudaGraph):
+    def __init__(self, model: nn.Module, adam: "DistAdam", grad_buffers: dict = None, writes_first: bool = False,
+                 new_graph=CudaGraph):
         self.model, self.adam, self.new_graph = model, adam, new_graph
+        self.writes_first = writes_first
         self.grad_buffers = grad_buffers or {}  # param -> where an optimizer wants its gradient (NorMuon's stacks)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grads = None        # the gradient tensors every graph accumulates into
@@ -2541,19 +2545,22 @@ class MicroBatchGraphs:
         self.captures = self.replays = 0
 
     def key(self, batch, ws_short: int, ws_long: int) -> tuple:
+        """The last entry: the indices of the params whose gradient this micro-batch starts (writes_first only)."""
         reduces = self.adam.should_sync and self.adam.world_size > 1
-        return (tuple((t.shape, t.dtype) for t in batch), ws_short, ws_long, self.model.yarn.attn_scale, reduces)
+        starts = tuple(i for i, p in enumerate(self.params) if p.grad is None) if self.writes_first else ()
+        return (tuple((t.shape, t.dtype) for t in batch), ws_short, ws_long, self.model.yarn.attn_scale, reduces,
+                starts)
 
-    def attach_grads(self):
+    def attach_grads(self, starts: tuple = ()):
         """Point every parameter's .grad at the graphs' buffers (grad_buffers' where given): a None gradient
         (zero_grad(set_to_none=True)) becomes the zeroed buffer, a gradient made elsewhere (an eager backward) is
-        copied into it."""
+        copied into it. starts: indices of params left at None (the graph writes their buffers)."""
         if self.grads is None:
             self.grads = [self.grad_buffers[p] if p in self.grad_buffers else
                           torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
         zero = []
-        for p, g in zip(self.params, self.grads):
-            if p.grad is g:
+        for i, (p, g) in enumerate(zip(self.params, self.grads)):
+            if p.grad is g or i in starts:
                 continue
             if p.grad is None:
                 zero.append(g)
@@ -2562,6 +2569,18 @@ class MicroBatchGraphs:
             p.grad = g
         if zero:
             torch._foreach_zero_(zero)
+
+    def take_started_grads(self, starts: tuple):
+        """Copy the gradients that the backward just made for the params in starts into their buffers (a param
+        that got none: zeros), and point .grad at the buffers."""
+        made = [i for i in starts if self.params[i].grad is not None]
+        if made:
+            torch._foreach_copy_([self.grads[i] for i in made], [self.params[i].grad for i in made])
+        unused = [self.grads[i] for i in starts if self.params[i].grad is None]
+        if unused:
+            torch._foreach_zero_(unused)
+        for i in starts:
+            self.params[i].grad = self.grads[i]
 
     def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward) -> bool:
         """forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor): one micro-batch's forward and
@@ -2572,7 +2591,8 @@ class MicroBatchGraphs:
         if entry is None and key not in self.seen:
             self.seen.add(key)
             return False
-        self.attach_grads()
+        starts = key[-1]
+        self.attach_grads(starts)
         if self.divisor is None:
             self.divisor = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
             self.loss = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
@@ -2584,7 +2604,10 @@ class MicroBatchGraphs:
             reduced = []
 
             def micro_batch():
+                for i in starts:  # the eager run before the capture left its buffer here
+                    self.params[i].grad = None
                 self.loss.copy_(forward_backward(*static, ws_short, ws_long, self.divisor))
+                self.take_started_grads(starts)
                 reduced[:] = self.adam.join_reduce_scatters()
 
             graph = self.new_graph()
@@ -2596,6 +2619,8 @@ class MicroBatchGraphs:
         for mine, t in zip(static, batch):
             mine.copy_(t, non_blocking=True)
         graph.replay()
+        for i in starts:  # the replay wrote their buffers; their .grad is still None (no Python runs in a replay)
+            self.params[i].grad = self.grads[i]
         if reduced:
             self.adam.reduce_scatters_replayed(reduced)
         self.replays += 1
@@ -3116,7 +3141,8 @@ def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Traine
     if args.seed >= 0:
         torch.manual_seed(args.seed)
     model, adam, muon = build_model_and_optimizers(args, rt)
-    graphs = MicroBatchGraphs(model, adam, muon.grad_buffers) if rt.cuda_graphs else None
+    graphs = MicroBatchGraphs(model, adam, muon.grad_buffers, writes_first=rt.grad_accum_steps == 1) \
+        if rt.cuda_graphs else None
     return Trainer(args, rt, model, adam, muon, train_files, val_file, log, graphs)
 
 

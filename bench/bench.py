@@ -394,6 +394,10 @@ def check_cuda_graphs(trainer, args) -> dict:
                 for name in ("eager", "graphs", "eager_again", "graphs_again"):
                     trainer.graphs = graphs if name.startswith("graphs") else None
                     model.zero_grad(set_to_none=True)
+                    if graphs.writes_first:  # as in training, the odd step finds Adam's gradients of the even one
+                        for group in trainer.adam.param_groups:
+                            for p in group["params"]:
+                                p.grad = torch.zeros_like(p)
                     losses[name] = []
                     # an odd step: with several processes its last micro-batch launches Adam's reduce-scatters
                     trainer.train_step(1, trainer.new_batches(stage.batch_size), None, stage.ws_short,

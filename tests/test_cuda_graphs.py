@@ -4,6 +4,7 @@ reruns the captured function on the graph's own tensors pins down everything aro
 eagerly, which is captured and which replayed, the graph's copies of the batch, its gradient buffers, the loss's
 divisor and the keys."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -77,6 +78,44 @@ def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(tra
     assert graphs.replays == micro_batches - 2 * graphs.captures
 
 
+def one_micro_batch_steps(trainer, graphs, steps_per_stage: int = 6) -> tuple[list, list, list]:
+    """steps_per_stage steps of every stage, each one micro-batch (as on 8 GPUs): the weights after, every
+    micro-batch's loss, and the params whose gradients each step's graph key says it starts."""
+    trainer.graphs = graphs
+    args, model = trainer.args, trainer.model
+    step, losses, starts = 0, [], []
+    for stage in tg.stages(args):
+        model.yarn.set_window(stage.ws_long)
+        batches = trainer.new_batches(stage.batch_size // trainer.rt.grad_accum_steps)
+        for _ in range(steps_per_stage):
+            if graphs is not None:
+                starts.append({id(graphs.params[i]) for i in graphs.key((), 0, 0)[-1]})
+            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, 1, losses)
+            step += 1
+    return [p.detach().clone() for p in model.parameters()], losses, starts
+
+
+def test_with_one_micro_batch_a_step_the_graphs_write_the_gradients_they_start_and_match_eager_bit_for_bit(trainer):
+    initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
+                                 opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
+    eager, eager_losses, _ = one_micro_batch_steps(trainer, None)
+    from_the_start(trainer, initial)
+    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers, writes_first=True,
+                                 new_graph=RerunGraph)
+    graphed, graphed_losses, starts = one_micro_batch_steps(trainer, graphs)
+    from_the_start(trainer, initial)
+    assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
+    assert all(torch.equal(a, b) for a, b in zip(graphed_losses, eager_losses))
+    assert any(not torch.equal(a, b) for a, b in zip(graphed, initial["model"].values()))  # it did train
+    # NorMuon sums one step's gradients, Adam two: an even step starts every gradient, an odd one NorMuon's only
+    everything = {id(p) for p in trainer.model.parameters()}
+    normuon = {id(p) for p in trainer.muon.grad_buffers}
+    assert starts == [everything if k % 2 == 0 else normuon for k in range(len(starts))]
+    # two keys a stage, each first run eagerly, then captured, then replayed
+    stages = len(tg.stages(trainer.args))
+    assert (graphs.captures, graphs.replays) == (2 * stages, 2 * stages)
+
+
 def test_a_stage_gets_a_new_graph_when_its_windows_or_softmax_scale_change(trainer):
     graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, new_graph=RerunGraph)
     batch = (torch.zeros(128, dtype=torch.int32), torch.zeros(128, dtype=torch.int64),
@@ -130,13 +169,18 @@ def test_cuda_graphs_resolve_on_with_cuda_and_compile_at_every_world_size_and_re
 # Two processes (gloo): the micro-batch that ends an Adam step launches DistAdam's reduce-scatters from its gradient
 # hooks. It gets a graph of its own, whose replay must leave the averaged gradients where DistAdam's step reads them.
 
-def _graphs_against_eager_on_two_ranks(rank, world_size, data):
+def _graphs_against_eager_on_two_ranks(rank, world_size, data, one_micro_batch=False):
     """Six steps of stage 1 with two ranks (four micro-batches each per step), eagerly and through stand-in graphs:
     the plain micro-batch's key is captured in step 0, the reduce-scattering one (the last of each odd step) runs
-    eagerly in step 1, is captured in step 3 and replayed in step 5."""
+    eagerly in step 1, is captured in step 3 and replayed in step 5. one_micro_batch: each rank runs one micro-batch
+    a step, as on 8 GPUs (the graphs write the gradients they start): each key first runs in step 0 or 1."""
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0",
                           "--train-max-seq-len", "128", "--data-path", str(data)])
     rt = tg.resolve_runtime(args, env={"WORLD_SIZE": str(world_size), "RANK": str(rank)})
+    batch_size = tg.stages(args)[0].batch_size
+    if one_micro_batch:
+        batch_size //= rt.grad_accum_steps
+        rt = dataclasses.replace(rt, grad_accum_steps=1)
     model, adam, muon = tg.build_model_and_optimizers(args, rt)
     train_files, val_file = tg.find_data(args, rt)
     trainer = tg.Trainer(args, rt, model, adam, muon, train_files, val_file, tg.Logger("/dev/null", False))
@@ -145,14 +189,14 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data):
 
     def six_steps(graphs):
         trainer.graphs, losses = graphs, []
-        batches = trainer.new_batches(stage.batch_size)
+        batches = trainer.new_batches(batch_size)
         for step in range(6):
             trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, rt.grad_accum_steps, losses)
         return [p.detach().clone() for p in model.parameters()], losses
 
     eager, eager_losses = six_steps(None)
     from_the_start(trainer, initial)
-    graphs = tg.MicroBatchGraphs(model, adam, muon.grad_buffers, new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(model, adam, muon.grad_buffers, writes_first=one_micro_batch, new_graph=RerunGraph)
     replayed = []
     real_replayed = adam.reduce_scatters_replayed
     adam.reduce_scatters_replayed = lambda params: (replayed.append(len(params)), real_replayed(params))
@@ -177,3 +221,17 @@ def test_two_ranks_replay_the_reduce_scattering_micro_batch_as_its_own_graph_and
         assert r["reduce_scattering"] == [0, 6]
         assert (r["captures"], r["replays"], r["reduce_scatters_replayed"]) == (2, 20, [6])
     assert ranks[0]["weights"] == ranks[1]["weights"]  # the replicas stay identical
+
+
+@pytest.mark.slow
+def test_two_ranks_with_one_micro_batch_a_step_write_the_gradients_they_start_and_match_eager_bit_for_bit(tmp_path):
+    from dist_utils import run_gloo
+    build_shards(tmp_path / "data", train_shards=1, tokens_per_train_shard=80_000, val_tokens=10_000)
+    ranks = run_gloo(_graphs_against_eager_on_two_ranks, 2, tmp_path / "data", True)
+    for r in ranks:
+        assert r["same_weights"] and r["same_losses"]
+        # two keys: the even step's, which starts every gradient, and the odd step's, which starts NorMuon's and
+        # reduce-scatters DistAdam's six; each runs eagerly, is captured, then replayed (steps 4 and 5)
+        assert r["reduce_scattering"] == [0, 6]
+        assert (r["captures"], r["replays"], r["reduce_scatters_replayed"]) == (2, 2, [6])
+    assert ranks[0]["weights"] == ranks[1]["weights"]
