@@ -37,20 +37,23 @@ def trainer(tmp_path_factory):
     return tg.build_trainer(args, rt, folder / "logs" / "graphs.txt")
 
 
-def train_steps(trainer, graphs, steps_per_stage: int = 1) -> tuple[list, list]:
-    """steps_per_stage training steps of every stage from the trainer's current weights: the weights after, and
-    every micro-batch's loss."""
+def train_steps(trainer, graphs, steps_per_stage: int = 1, one_micro_batch: bool = False) -> tuple[list, list, list]:
+    """steps_per_stage training steps of every stage from the trainer's current weights (one_micro_batch: each step
+    one micro-batch, as on 8 GPUs): the weights after, every micro-batch's loss, and per step the params whose
+    gradients its graph key says it starts."""
     trainer.graphs = graphs
     args, model = trainer.args, trainer.model
-    step, losses = 0, []
+    micro_batches = 1 if one_micro_batch else trainer.rt.grad_accum_steps
+    step, losses, starts = 0, [], []
     for stage in tg.stages(args):
         model.yarn.set_window(stage.ws_long)
         batches = trainer.new_batches(stage.batch_size)
         for _ in range(steps_per_stage):
-            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, trainer.rt.grad_accum_steps,
-                               losses)
+            if graphs is not None:
+                starts.append({id(graphs.params[i]) for i in graphs.key((), 0, 0)[-1]})
+            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, micro_batches, losses)
             step += 1
-    return [p.detach().clone() for p in model.parameters()], losses
+    return [p.detach().clone() for p in model.parameters()], losses, starts
 
 
 def from_the_start(trainer, initial):
@@ -64,10 +67,10 @@ def from_the_start(trainer, initial):
 def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(trainer):
     initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
                                  opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
-    eager, eager_losses = train_steps(trainer, None)
+    eager, eager_losses, _ = train_steps(trainer, None)
     from_the_start(trainer, initial)
     graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers, new_graph=RerunGraph)
-    graphed, graphed_losses = train_steps(trainer, graphs)
+    graphed, graphed_losses, _ = train_steps(trainer, graphs)
     from_the_start(trainer, initial)
     assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
     assert all(torch.equal(a, b) for a, b in zip(graphed_losses, eager_losses))
@@ -78,31 +81,14 @@ def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(tra
     assert graphs.replays == micro_batches - 2 * graphs.captures
 
 
-def one_micro_batch_steps(trainer, graphs, steps_per_stage: int = 6) -> tuple[list, list, list]:
-    """steps_per_stage steps of every stage, each one micro-batch (as on 8 GPUs): the weights after, every
-    micro-batch's loss, and the params whose gradients each step's graph key says it starts."""
-    trainer.graphs = graphs
-    args, model = trainer.args, trainer.model
-    step, losses, starts = 0, [], []
-    for stage in tg.stages(args):
-        model.yarn.set_window(stage.ws_long)
-        batches = trainer.new_batches(stage.batch_size // trainer.rt.grad_accum_steps)
-        for _ in range(steps_per_stage):
-            if graphs is not None:
-                starts.append({id(graphs.params[i]) for i in graphs.key((), 0, 0)[-1]})
-            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, 1, losses)
-            step += 1
-    return [p.detach().clone() for p in model.parameters()], losses, starts
-
-
 def test_with_one_micro_batch_a_step_the_graphs_write_the_gradients_they_start_and_match_eager_bit_for_bit(trainer):
     initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
                                  opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
-    eager, eager_losses, _ = one_micro_batch_steps(trainer, None)
+    eager, eager_losses, _ = train_steps(trainer, None, steps_per_stage=6, one_micro_batch=True)
     from_the_start(trainer, initial)
     graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers, writes_first=True,
                                  new_graph=RerunGraph)
-    graphed, graphed_losses, starts = one_micro_batch_steps(trainer, graphs)
+    graphed, graphed_losses, starts = train_steps(trainer, graphs, steps_per_stage=6, one_micro_batch=True)
     from_the_start(trainer, initial)
     assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
     assert all(torch.equal(a, b) for a, b in zip(graphed_losses, eager_losses))
