@@ -1395,15 +1395,10 @@ def polar_express(G: Tensor, turbo: bool = False) -> Tensor:
 #   p.label   NorMuon: smear_gate | attn_gate | attn | mlp      DistAdam: lm_head | scalars | value_embed | embed
 #   p.lr_mul  per-parameter learning-rate multiplier (default 1.0)
 #   p.wd_mul  per-parameter weight-decay multiplier (default 1.0)
-#   p.read_after_gather  the forward reads p only through read_after_gather(), which waits for NorMuon's all-gather
-#             of p's group: that group's all-gather then overlaps the forward's earlier layers
 
 NORMUON_LABEL_ORDER = ("smear_gate", "attn_gate", "attn", "mlp")
 NORMUON_RECORD_COUNTS = {"smear_gate": 1, "attn_gate": 10, "attn": 10, "mlp": 22}
-# The record's model, in NORMUON_LABEL_ORDER: its 8-GPU groups, and below 8 GPUs one per label with the MLP matrices
-# split at the same place (blocks 1-3 | 4-11). Both end with the MLP matrices of blocks 4-11 (read_after_gather).
-NORMUON_RECORD_GROUPS_8 = (("smear_gate", 1), ("attn_gate", 10), ("attn+mlp", 16), ("mlp", 16))
-NORMUON_RECORD_GROUPS = (("smear_gate", 1), ("attn_gate", 10), ("attn", 10), ("mlp", 6), ("mlp:late", 16))
+NORMUON_RECORD_GROUP_SIZES = (1, 10, 16, 16)   # 8 GPUs: G3 = 10 attn + 6 mlp, G4 = 16 mlp
 NORMUON_GATE_LABELS = ("smear_gate", "attn_gate")
 DISTADAM_LABEL_ORDER = ("lm_head", "scalars", "value_embed", "embed")
 
@@ -1418,40 +1413,6 @@ def _dist_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
-
-
-# The next step's forward reads NorMuon's last group, the MLP matrices of layers 4-11, only from layer 4 on, so that
-# group's all-gather need not hold up the step's start. NorMuon records an external CUDA event after it instead of
-# making the compute stream wait, and the forward reads those matrices through read_after_gather, which waits for
-# the event. In a CUDA graph that wait is a wait node bound to the event's last record before the graph's launch (as
-# a stream's wait is), so a replay waits for its own step's all-gather.
-ALL_GATHER_DONE = {}  # storage address of a NorMuon parameter stack -> the event its latest all-gather records
-
-
-@torch.library.custom_op("speedrun::read_after_gather", mutates_args=())
-def read_after_gather(w: Tensor, x: Tensor) -> Tensor:
-    """w in x's dtype, read once the all-gather that writes w (ALL_GATHER_DONE) has finished. x only places the read
-    after x exists: the layers before x run while the all-gather does."""
-    done = ALL_GATHER_DONE.get(w.untyped_storage().data_ptr()) if w.is_cuda else None
-    if done is not None:
-        torch.cuda.current_stream().wait_event(done)
-    return w.to(x.dtype, copy=True)
-
-
-@read_after_gather.register_fake
-def _(w, x):
-    return torch.empty_like(w, dtype=x.dtype)
-
-
-def _read_after_gather_setup_context(ctx, inputs, output):
-    ctx.dtype = inputs[0].dtype
-
-
-def _read_after_gather_backward(ctx, grad):
-    return grad.to(ctx.dtype), None
-
-
-read_after_gather.register_autograd(_read_after_gather_backward, setup_context=_read_after_gather_setup_context)
 
 
 # ---- NorMuon per-shard math: small pure functions the trainer may torch.compile (dynamic=False) ----
@@ -1493,13 +1454,12 @@ def normuon_reduce_dim(label: str, shape) -> int:
 
 
 def normuon_groups(params, world_size: int) -> list:
-    """[(name, params)]: the record's model in NORMUON_RECORD_GROUPS_8 (8 ranks) or NORMUON_RECORD_GROUPS, any other
-    set one group per (label, shape, dtype) in order of appearance."""
+    """[(name, params)]: the record's 8-GPU sizing [1, 10, 16, 16], or one group per (label, shape, dtype)."""
     labels = [getattr(p, "label", None) for p in params]
-    if collections.Counter(labels) == NORMUON_RECORD_COUNTS:
+    if world_size == 8 and collections.Counter(labels) == NORMUON_RECORD_COUNTS:
         ordered = sorted(params, key=lambda p: NORMUON_LABEL_ORDER.index(p.label))  # stable
         groups, start = [], 0
-        for name, size in NORMUON_RECORD_GROUPS_8 if world_size == 8 else NORMUON_RECORD_GROUPS:
+        for name, size in zip(("smear_gate", "attn_gate", "attn+mlp", "mlp"), NORMUON_RECORD_GROUP_SIZES):
             groups.append((name, ordered[start:start + size]))
             start += size
         return groups
@@ -1523,9 +1483,7 @@ class NorMuon(torch.optim.Optimizer):
     rank r updates only its chunk. A group's params are the rows of one stack of chunk*W matrices (zero padding
     last), its gradients are gathered in another (grad_buffers: CUDA graphs accumulate them there, so nothing is
     copied). step(): reduce-scatter(AVG) every group's gradient stack into the rank's shard, update the rank's rows
-    of the parameter stack in place, all-gather the stack in place. The compute stream waits for every all-gather
-    but those of groups whose params all have p.read_after_gather (CUDA, several ranks): the forward waits for
-    those where it first reads them. Made at the first step, per group:
+    of the parameter stack in place, all-gather the stack in place. Made at the first step, per group:
     momentum_buffer, second_momentum_buffer (param dtype, the local shard stacked) and lr_eff / wd_eff (0-D CPU fp32
     tensors, one per local param)."""
 
@@ -1574,15 +1532,9 @@ class NorMuon(torch.optim.Optimizer):
                 self.grad_buffers[p] = grad_row
             # the rank's rows of the averaged gradients (one rank: the gradient stack itself)
             shard = grads_stack[:chunk] if W == 1 else torch.empty_like(grads_stack[:chunk])
-            gathered = None  # the event this group's all-gather records, where the forward waits for it
-            if W > 1 and params_stack.is_cuda and all(getattr(p, "read_after_gather", False) for p in ps):
-                gathered = torch.cuda.Event(external=True)
-                gathered.record()  # made now: a wait on an event never recorded would be no wait at all
-                ALL_GATHER_DONE[params_stack.untyped_storage().data_ptr()] = gathered
-                self._gather_stream = torch.cuda.Stream()
             self._layout.append(dict(chunk=chunk, lo=lo, hi=hi, is_attn=is_attn,
                                      reduce_dim=normuon_reduce_dim(local_label, shape),
-                                     params=params_stack, grads=grads_stack, shard=shard, gathered=gathered))
+                                     params=params_stack, grads=grads_stack, shard=shard))
 
     def compile_helpers(self):
         """Route the per-shard math through torch.compile(dynamic=False) (CUDA); compilation happens on first use."""
@@ -1649,30 +1601,14 @@ class NorMuon(torch.optim.Optimizer):
         for group, layout, work in zip(self.param_groups, self._layout, scatters):
             if work is not None:
                 work.wait()
-            gathered = layout["gathered"]
             n = layout["hi"] - layout["lo"]
             if n > 0:
-                if gathered is not None:  # the last all-gather of these rows (a forward in between waited already)
-                    torch.cuda.current_stream().wait_event(gathered)
                 self._update_shard(group, layout, layout["shard"][:n])
             if W > 1:
                 stack, chunk = layout["params"], layout["chunk"]
-                work = all_gather(stack, stack[r * chunk:(r + 1) * chunk], async_op=True)
-                if gathered is None:
-                    gathers.append(work)
-                else:
-                    with torch.cuda.stream(self._gather_stream):
-                        work.wait()
-                        gathered.record()
+                gathers.append(all_gather(stack, stack[r * chunk:(r + 1) * chunk], async_op=True))
         for work in gathers:
             work.wait()
-
-    def wait_for_gathers(self):
-        """Make the current stream wait for the all-gathers step() left to the forward (before reading the params
-        anywhere else)."""
-        for layout in self._layout:
-            if layout["gathered"] is not None:
-                torch.cuda.current_stream().wait_event(layout["gathered"])
 
 
 # =====================================================================================
@@ -2042,14 +1978,13 @@ class MLP(nn.Module):
         bound = math.sqrt(3) * 0.5 * dim ** -0.5
         with torch.no_grad():
             self.c_fc.uniform_(-bound, bound)
-        self.c_fc.read_after_gather = self.c_proj.read_after_gather = True
         self.kernel = kernel  # one of MLP_KERNELS
 
     def forward(self, x):
-        w_fc, w_proj = read_after_gather(self.c_fc, x), read_after_gather(self.c_proj, x)
         if self.kernel == "quack":
-            return torch.ops.speedrun.relu2_mlp(x, w_fc, w_proj)[0]
-        return F.relu(F.linear(x, w_fc)).square() @ w_proj
+            return torch.ops.speedrun.relu2_mlp(x, self.c_fc.type_as(x), self.c_proj.type_as(x))[0]
+        h = F.relu(F.linear(x, self.c_fc.type_as(x))).square()
+        return h @ self.c_proj.type_as(x)
 
 
 class Block(nn.Module):
@@ -2873,7 +2808,6 @@ class Trainer:
         self.model.train()
         self.model.yarn.reset()
         self.muon.reset()
-        self.muon.wait_for_gathers()  # the last warm-up step's all-gathers, before the weights are restored
         self.model.load_state_dict(initial["model"])
         for opt, state in zip((self.adam, self.muon), initial["opts"]):
             opt.load_state_dict(state)

@@ -458,46 +458,6 @@ def test_residual_linear_op_computes_the_residual_plus_projection_and_its_gradie
     torch.library.opcheck(torch.ops.speedrun.residual_linear, [t.detach().requires_grad_() for t in inputs])
 
 
-def test_read_after_gather_is_the_cast_it_replaces_and_hands_back_the_gradient_in_the_params_dtype():
-    """speedrun::read_after_gather (with no all-gather registered: the CPU path) against the plain cast it replaces
-    in the MLP, eager and traced by dynamo and AOT autograd whole: the same bf16 weights, the same fp32 gradient bit
-    for bit; and torch.library's checks of its registrations."""
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(24, 16, generator=g, requires_grad=True)
-    x = torch.randn(8, 16, generator=g).bfloat16()
-    grad = torch.randn(8, 24, generator=g).bfloat16()
-    plain = w.detach().clone().requires_grad_()
-    ref = F.linear(x, plain.type_as(x))
-    ref.backward(grad)
-
-    def through_op(w, x):
-        return F.linear(x, tg.read_after_gather(w, x))
-
-    for fn in (through_op, torch.compile(through_op, backend="aot_eager", fullgraph=True)):
-        w.grad = None
-        out = fn(w, x)
-        out.backward(grad)
-        assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
-        assert w.grad.dtype == torch.float32 and torch.equal(w.grad, plain.grad)
-    torch.library.opcheck(torch.ops.speedrun.read_after_gather, [w.detach().requires_grad_(), x])
-
-
-def test_the_mlp_reads_its_weights_through_read_after_gather_and_marks_them_for_normuon():
-    """Every MLP weight is marked p.read_after_gather (NorMuon may leave its group's all-gather to the forward) and
-    the MLP's forward reads it only through the op; attention and the gates are not marked."""
-    model = make_model()
-    marked = {n for n, p in model.named_parameters() if getattr(p, "read_after_gather", False)}
-    assert marked == {f"blocks.{i}.mlp.{w}" for i in range(1, 12) for w in ("c_fc", "c_proj")}
-    calls = []
-    op = tg.read_after_gather
-    try:
-        tg.read_after_gather = lambda w, x: calls.append(w) or op(w, x)
-        model.blocks[4].mlp(torch.randn(5, SMOKE.model_dim).bfloat16())
-    finally:
-        tg.read_after_gather = op
-    assert calls == [model.blocks[4].mlp.c_fc, model.blocks[4].mlp.c_proj]
-
-
 def test_residual_linear_model_matches_the_plain_residual_addition_eager_and_compiled():
     """With quack's MLP kernel the model's attention output projections go through residual_linear (CPU path: one
     addmm, fp32 sum of the residual and the product, one rounding); against residual + F.linear (rounds the product

@@ -237,22 +237,6 @@ def test_normuon_record_grouping_on_8_ranks(record_run):
 
 # ------------------------------------------------------------------ single-process unit tests
 
-@pytest.mark.parametrize("W", [1, 2, 4, 8])
-def test_the_record_models_last_normuon_group_is_the_mlp_of_layers_4_to_11(W):
-    """At every world size the record's model ends with a group of exactly the MLP matrices of blocks 4-11, the last
-    all-gather the forward needs (read_after_gather); the MLP matrices of blocks 1-3 are a group of their own below
-    8 ranks and ride with attention at 8, and no other group is made only of marked params."""
-    params = muon_params_record()
-    for p in params:
-        p.read_after_gather = p.label == "mlp"
-    groups = tg.normuon_groups(params, W)
-    late = [n for b in range(4, 12) for n in (f"c_fc{b}", f"c_proj{b}")]
-    assert [p.pname for p in groups[-1][1]] == late
-    all_marked = [name for name, ps in groups if all(p.read_after_gather for p in ps)]
-    assert all_marked == ([groups[-1][0]] if W == 8 else ["mlp", "mlp:late"])
-    assert sorted(p.pname for _, ps in groups for p in ps) == sorted(p.pname for p in params)
-
-
 def test_lr_factor_record_shapes():
     d = 768
     def meta(shape, label, lr_mul=None):
