@@ -658,6 +658,10 @@ def main(argv=None) -> int:
                                       out.with_name(out.stem + "_profile"),
                                       REFERENCE_H100_MS if world == as_world == 1 else None)
     result["stage_profiles"] = [f"{out.stem}_profile_stage{n}.txt" for n in profile_stages]
+    if world > 1:  # the timed steps' optimizers kept every rank's copy of the weights the same
+        result["replicas_identical_after_timing"] = tg.replicas_identical(trainer.model)
+        say(f"replicas after the timed steps: {'bit-identical' if result['replicas_identical_after_timing'] else 'DIFFER'}",
+            flush=True)
     if a.check_graphs:
         result["cuda_graphs_check"] = check_cuda_graphs(trainer, args)
         say(f"CUDA graphs check: {result['cuda_graphs_check']}", flush=True)
