@@ -224,6 +224,27 @@ def test_profile_timeline_counts_the_communication_no_compute_hides():
                      communication_exposed_ms=2.0, idle_ms=0.0)
 
 
+def test_val_steps_reports_the_welch_interval_and_the_smallest_shift_the_runs_could_detect():
+    """Per checkpoint: the difference of the means, Welch's p and 95 % interval, and (t_0.975 + t_0.8) x the standard
+    error as the shift two sets of this size and spread could detect; steps one set lacks, or with one run, skipped."""
+    import math
+    import val_steps
+    from scipy import stats
+    a, b = [2.40, 2.41, 2.39, 2.40], [2.42, 2.43, 2.41]
+    new = {310: dict(mean=sum(a) / 4, n=4, losses=a), 100: dict(mean=3.2, n=1, losses=[3.2])}
+    prior = {310: dict(mean=sum(b) / 3, n=3, losses=b), 100: dict(mean=3.1, n=2, losses=[3.1, 3.0])}
+    out = val_steps.compare_sets(new, prior)
+    assert list(out) == [310]
+    row = out[310]
+    se = math.sqrt(stats.tvar(a) / 4 + stats.tvar(b) / 3)
+    df = se ** 4 / ((stats.tvar(a) / 4) ** 2 / 3 + (stats.tvar(b) / 3) ** 2 / 2)
+    assert row["diff"] == pytest.approx(-0.02) and row["df"] == pytest.approx(df)
+    assert row["p"] == pytest.approx(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    assert row["ci95"] == pytest.approx([-0.02 - stats.t.ppf(0.975, df) * se, -0.02 + stats.t.ppf(0.975, df) * se])
+    assert row["detectable_shift"] == pytest.approx((stats.t.ppf(0.975, df) + stats.t.ppf(0.8, df)) * se)
+    assert (row["n_new"], row["n_prior"]) == (4, 3)
+
+
 def test_the_8_gpu_step_launches_the_records_normuon_groups_and_every_adam_collective_every_other_step():
     import nccl_bandwidth
     rows = nccl_bandwidth.step_collectives(8)

@@ -1,4 +1,0 @@
-#!/usr/bin/env bash
-# Device call 1 (nvidia-h100-x2, fresh; carry .carry/fa4a): keep FA4's first part in /tmp while the machine is warm.
-bash bench/fa4_env.sh stash
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
