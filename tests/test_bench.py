@@ -1,4 +1,5 @@
-"""bench/bench.py: the parts that run without a GPU (synthetic data, FLOP count, MFU, the table, profile summaries)."""
+"""bench/bench.py: the parts that run without a GPU (synthetic data, FLOP count, MFU, the table, profile summaries);
+the log readers of bench/loss/ and the 8-GPU model of bench/multi_gpu/."""
 import sys
 from pathlib import Path
 
@@ -8,7 +9,8 @@ import torch
 
 import train_gpt as tg
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path[:0] = [str(BENCH), str(BENCH / "loss"), str(BENCH / "multi_gpu")]
 import bench  # noqa: E402
 
 
@@ -87,7 +89,7 @@ def test_bench_without_cuda_fails_with_one_line(capsys):
 
 
 def test_run_summary_reads_finished_logs_and_leaves_out_console_copies_and_profiles(tmp_path):
-    """bench/run_summary.py: stage throughput from the validation lines at the stage boundaries; the console copy
+    """bench/loss/run_summary.py: stage throughput from the validation lines at the stage boundaries; the console copy
     of a run, a profile and an unfinished log are not counted as runs."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_records import make_log

@@ -1,5 +1,5 @@
-"""bench/proxy_runs.sh and bench/kill_test.sh on the CPU, with a stand-in `python3` first on PATH that records its
-argv and environment and writes the log a training run would leave."""
+"""bench/loss/proxy_runs.sh and bench/multi_gpu/kill_test.sh on the CPU, with a stand-in `python3` first on PATH that
+records its argv and environment and writes the log a training run would leave."""
 import json
 import os
 import sys
@@ -10,8 +10,8 @@ import pytest
 from processes import run_group
 
 REPO = Path(__file__).resolve().parents[1]
-PROXY_RUNS = REPO / "bench" / "proxy_runs.sh"
-KILL_TEST = REPO / "bench" / "kill_test.sh"
+PROXY_RUNS = REPO / "bench" / "loss" / "proxy_runs.sh"
+KILL_TEST = REPO / "bench" / "multi_gpu" / "kill_test.sh"
 
 # The stand-in: one JSON line per call (argv, NCCL variables, FAULT_*), then the trainer's log at
 # <--log-dir>/<--run-id>.txt with one validation line. Seeds listed in STUB_FAIL_SEEDS exit 3; with FAULT_KIND set it

@@ -1,8 +1,8 @@
-"""bench/startup_profile.py: where a cold start's seconds go, sampled by Python function."""
+"""bench/startup/startup_profile.py: where a cold start's seconds go, sampled by Python function."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "startup"))
 import startup_profile as sp  # noqa: E402
 from processes import run_group
 
@@ -18,7 +18,7 @@ def test_a_busy_function_gets_its_wall_time_and_the_script_its_arguments(tmp_pat
                       "        pass\n"
                       "spin()\n"
                       "print('ARGS', sys.argv[1:])\n")
-    r = run_group([sys.executable, str(REPO / "bench" / "startup_profile.py"), "--out", str(tmp_path / "p"),
+    r = run_group([sys.executable, str(REPO / "bench" / "startup" / "startup_profile.py"), "--out", str(tmp_path / "p"),
                         str(script), "--x", "1", "--", "--y"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "ARGS ['--x', '1', '--', '--y']" in r.stdout  # the script's own `--` survives

@@ -1,6 +1,6 @@
 """NCCL's bandwidth at the sizes of the trainer's collectives on a wider world.
 
-    torchrun --standalone --nproc_per_node=2 bench/nccl_bandwidth.py --for-world-size 8 --out bench/results/X.json
+    torchrun --standalone --nproc_per_node=2 bench/multi_gpu/nccl_bandwidth.py --for-world-size 8 --out X.json
 
 The collectives one training step launches at --for-world-size ranks, from the model's parameters (built on the meta
 device, no memory): NorMuon's reduce-scatter of each group's stacked gradients and all-gather of the updated
@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # bench.py, for git_commit
 import train_gpt as tg  # noqa: E402
 from bench import git_commit  # noqa: E402
 
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if "RANK" not in os.environ or not torch.cuda.is_available():
         print("error: run under torchrun on CUDA GPUs, e.g. torchrun --standalone --nproc_per_node=2 "
-              "bench/nccl_bandwidth.py --out X.json", file=sys.stderr)
+              "bench/multi_gpu/nccl_bandwidth.py --out X.json", file=sys.stderr)
         return 2
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The 90+6-step proxy schedule once per seed, under torchrun, on a GPU machine (run-to-run spread, A/B checks).
 #
-#   bash bench/proxy_runs.sh [options] [-- extra train_gpt.py flags]
+#   bash bench/loss/proxy_runs.sh [options] [-- extra train_gpt.py flags]
 #     --seeds "1 2 3"    seeds, one run each, in this order             (default "1 2 3")
 #     --nproc N          processes (GPUs) per run: --nproc_per_node     (default 1)
 #     --label NAME       run ids NAME_seedS, logs in OUT/NAME/           (default run)
@@ -18,7 +18,7 @@
 # OUT/LABEL/LABEL_seedS.txt (the trainer's log) and OUT/LABEL/console_seedS.txt (stdout and stderr). One line per
 # seed on stdout: exit status, seconds, last validation line. Exit status 0 when every seed ran and exited 0.
 # PYTHON (default python3) is the interpreter; CUDA_VISIBLE_DEVICES and other variables pass through. Compare
-# sets with `python3 bench/val_steps.py OUT/A OUT/B` and `python3 bench/run_summary.py OUT/A`.
+# sets with `python3 bench/loss/val_steps.py OUT/A OUT/B` and `python3 bench/loss/run_summary.py OUT/A`.
 set -uo pipefail
 
 usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -47,7 +47,7 @@ for n in $seeds $nproc $min_left $deadline; do
 done
 [ -n "$seeds" ] || { echo "proxy_runs.sh: no seeds" >&2; exit 2; }
 
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 [ -f "$script" ] || { echo "proxy_runs.sh: no script $script" >&2; exit 2; }

@@ -1,7 +1,8 @@
 """A model of the 8-GPU speedrun built from measurements on fewer GPUs: predicted ms per step and stage, and the
 time to the last step, beside the record's own 8xH100 log.
 
-    python bench/predict_8gpu.py --rank-bench RANK8.json --w1-bench W1.json --nccl NCCL.json [--out PREDICTION.json]
+    python bench/multi_gpu/predict_8gpu.py --rank-bench RANK8.json --w1-bench W1.json --nccl NCCL.json \
+        [--out PREDICTION.json]
 
 Inputs (result JSONs, so the model is rerun, not retyped):
   --rank-bench  bench/bench.py run as ranks of an 8-GPU run (torchrun --nproc_per_node=K bench/bench.py --stages-only
@@ -9,8 +10,8 @@ Inputs (result JSONs, so the model is rerun, not retyped):
                 its host enqueue time, and its GPU timeline (idle time; communication busy and the part no compute
                 hides)
   --w1-bench    bench/bench.py on one GPU (--stages-only): the whole step, 8 micro-batches and the optimizers
-  --nccl        bench/nccl_bandwidth.py --for-world-size 8: the collectives of one step at W=8, each timed at W=8's
-                sizes, as bus bandwidth, and so their time at W=8
+  --nccl        bench/multi_gpu/nccl_bandwidth.py --for-world-size 8: the collectives of one step at W=8, each timed
+                at W=8's sizes, as bus bandwidth, and so their time at W=8
 Per stage:      predicted = one GPU's step / 8 + the rank's idle time + the communication W=8 leaves exposed.
   - One GPU's step / 8 is a W=8 rank's compute: its micro-batch is an eighth of the step's, and so is its share of
     the optimizers (DistAdam's rows, NorMuon's matrices: 4 of the 32 large ones at W=8, against 16 of 32 at K=2 and
@@ -31,7 +32,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "records"))
 import compare  # noqa: E402  (the log parser records/ uses)

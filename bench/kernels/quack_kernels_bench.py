@@ -1,6 +1,6 @@
 """quack-kernels against the trainer's own kernels, on the trainer's shapes (GPU; one JSON, one table).
 
-    python bench/quack_kernels_bench.py --out quack.json [--commit SHA]
+    python bench/kernels/quack_kernels_bench.py --out quack.json [--commit SHA]
 
 Answers, kernel by kernel, whether quack-kernels (CuTe DSL) is faster than what train_gpt.py runs today, and
 whether its numbers agree within bf16 rounding:
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
 
 D = 768

@@ -1,7 +1,7 @@
 """Where a cold start's seconds go, by Python function: run a script in this process while a thread samples the
 main thread's stack every few milliseconds, until the trainer's kernel warm-up returns (or the script ends).
 
-    python3 bench/startup_profile.py --out DIR [--interval-ms 5] bench/bench.py --stages-only [-- TRAIN_FLAGS]
+    python3 bench/startup/startup_profile.py --out DIR [--interval-ms 5] bench/bench.py --stages-only [-- TRAIN_FLAGS]
 
 Writes DIR/startup_profile.txt (the functions with the most wall time, inclusive and self, and the same split by
 before the warm-up and the warm-up) and DIR/startup_stacks.txt (collapsed stacks with their milliseconds, the
@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class StackSampler:

@@ -1,9 +1,10 @@
-# FlashAttention-4 on a device machine from the two carry folders bench/fa4_wheels.sh makes.
-#   bash bench/fa4_env.sh stash      (call 1, carrying .carry/fa4a): keep part 1 in /tmp while the machine is warm
-#   source bench/fa4_env.sh install  (call 2, carrying .carry/fa4b): assemble, install into /tmp/fa4_env/site-packages, and
-#                                     export PYTHONPATH (the CuTe DSL's .pth file is not read from PYTHONPATH,
-#                                     so its dsl_packages folder is added by hand) and the kernel cache variables
-# A later call on the same warm machine only needs `source bench/fa4_env.sh install` again (it finds the install).
+# FlashAttention-4 on a device machine from the two carry folders bench/device/fa4_wheels.sh makes.
+#   bash bench/device/fa4_env.sh stash     (call 1, carrying .carry/fa4a): keep part 1 in /tmp while the machine is warm
+#   source bench/device/fa4_env.sh install (call 2, carrying .carry/fa4b): assemble, install into
+#           /tmp/fa4_env/site-packages, and export PYTHONPATH (the CuTe DSL's .pth file is not read from PYTHONPATH,
+#           so its dsl_packages folder is added by hand) and the kernel cache variables
+# A later call on the same warm machine only needs `source bench/device/fa4_env.sh install` again
+# (it finds the install).
 # The folder must be named site-packages: quack fingerprints its fused-GEMM epilogues by source and treats
 # functions from files under */site-packages/* as installed libraries (fingerprinted by name); from any other
 # folder it walks into the CuTe DSL's internals and fails on an unhashable ContextVar at import.

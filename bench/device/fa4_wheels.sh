@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Here (with pip and the package index): fetch FlashAttention-4 and its CuTe DSL for the device machines
 # (Python 3.12, x86-64, CUDA 13) and split them into two carry folders, because together they are ~73 MB and a
-# device call carries at most 64 MiB, the working tree (~17 MB of it results and logs) included:
+# device call carries at most 64 MiB, the working tree included:
 #   .carry/fa4a/  the first 42 MB of the CUDA-13 CuTe DSL libraries (xz tar)   -> carried by call 1 (stash)
 #   .carry/fa4b/  the rest of that tar + the small wheels                     -> carried by call 2 (install)
-# On the device: call 1 runs `bash bench/fa4_env.sh stash`, call 2 (within the 30 s the machine stays warm)
-# runs `source bench/fa4_env.sh install`.   Usage: bash bench/fa4_wheels.sh
+# On the device: call 1 runs `bash bench/device/fa4_env.sh stash`, call 2 (within the 30 s the machine stays warm)
+# runs `source bench/device/fa4_env.sh install`.   Usage: bash bench/device/fa4_wheels.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 W=$(mktemp -d)
 P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d $W"
 for plat in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64; do P="$P --platform $plat"; done

@@ -2,12 +2,12 @@
 stage boundaries): validation losses, per-stage tokens/s from the train_time of consecutive validation lines,
 warm-up time, peak memory and the replica check.
 
-    python bench/run_summary.py DIR_OR_LOG... [--json out.json]
+    python bench/loss/run_summary.py DIR_OR_LOG... [--json out.json]
 
 A stage's throughput is (steps between two validation lines x its tokens/step) / (train_time difference), which
 is exact when the validation lines sit at the stage boundaries (steps 30, 60, 90 of the 90-step schedule) and
 validation itself is not timed. Logs are parsed by records/compare.py; unfinished or foreign files are named and
-skipped, console copies and profiles are left out (bench/val_steps.py's rule)."""
+skipped, console copies and profiles are left out (bench/loss/val_steps.py's rule)."""
 import argparse
 import json
 import re

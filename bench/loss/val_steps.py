@@ -1,6 +1,6 @@
 """Validation loss per checkpoint step across several runs, and two sets compared step by step.
 
-    python bench/val_steps.py NEW_DIR [PRIOR_DIR] [--json out.json]
+    python bench/loss/val_steps.py NEW_DIR [PRIOR_DIR] [--json out.json]
 
 Each DIR holds training logs (one per run, e.g. one per seed). Prints mean, std and the runs' values at every
 validation step, and with two sets per step: the difference of the means, Welch's t-test p-value, its 95 % interval,
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from scipy import stats
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "records"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "records"))
 import compare  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Fused softcap/CE backward kernel: tile variants against the unfused path, on one stage-3 micro-batch (GPU).
 
-    python bench/ce_kernel_bench.py --out ce_kernel.json      # prints a table, then `best: BT,BV,W` or `best: unfused`
+    python bench/kernels/ce_kernel_bench.py --out ce_kernel.json  # prints a table, then `best: BT,BV,W` or `best: unfused`
 
 The unfused path is what the trainer runs with --fused-fp8-head 0: Inductor's kernel for the bf16 softcap/CE
 gradient and its e5m2 cast (compiled), then the tiled transpose_bytes kernel. Every fused variant must produce the
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
 
 VARIANTS = [(128, 128, 8), (64, 128, 8), (64, 128, 4), (64, 256, 8), (32, 256, 8), (32, 256, 4), (32, 128, 4),
