@@ -10,7 +10,9 @@
 
 A SET (also NEW, PRIOR) is a log file, a folder (its *.txt files) or a comma-separated list of logs.
 A run counts only if its log ends with the final validation line `step:N/N val_loss:...`; any other
-file is named on a `SKIPPED <file>: <reason>` line and left out. Bad input: one line on stderr, exit 2.
+file is named on a `SKIPPED <file>: <reason>` line and left out. Each run counts once: a file given twice, or a
+log with the same content as another, is a SKIPPED line too; two finished logs with one run id (the file name's
+stem, the trainer's --run-id) but different content are refused. Bad input: one line on stderr, exit 2.
 See records/README.md for what counts as a record and a worked example.
 
 Log format (train_gpt.py): script source, a line of 100 '=', `Running Python/PyTorch/Triton ...`, `Run config:
@@ -22,14 +24,18 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import difflib
+import hashlib
 import math
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +83,7 @@ class UsageError(Exception):
 @dataclass
 class Run:
     path: Path
+    digest: str | None = None  # sha256 of the log's bytes: two logs with the same digest are one run
     script: str | None = None
     python: str | None = None
     torch: str | None = None
@@ -93,6 +100,7 @@ class Run:
     startup_s: float | None = None
 
     name = property(lambda self: self.path.name)
+    run_id = property(lambda self: self.path.stem)  # the trainer writes logs/<run_id>.txt
     final = property(lambda self: self.val[-1])
     loss = property(lambda self: self.final[2])
     time_ms = property(lambda self: self.final[3])
@@ -196,11 +204,14 @@ def parse_text(text: str, path: Path | str = "<text>") -> Run:
     return run
 
 
-def read_text(path: Path) -> str:
+def read_bytes(path: Path) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as e:
         raise LogError(f"unreadable: {e.strerror or e}") from None
+
+
+def decode_log(data: bytes) -> str:
     if b"\x00" in data:
         raise LogError("binary file (contains NUL bytes), not a text log")
     try:
@@ -209,8 +220,15 @@ def read_text(path: Path) -> str:
         raise LogError(f"not UTF-8 text ({e.reason} at byte {e.start}), not a text log") from None
 
 
+def read_text(path: Path) -> str:
+    return decode_log(read_bytes(path))
+
+
 def parse_log(path: Path | str) -> Run:
-    return parse_text(read_text(Path(path)), path)
+    data = read_bytes(Path(path))
+    run = parse_text(decode_log(data), path)
+    run.digest = hashlib.sha256(data).hexdigest()
+    return run
 
 
 def folder_logs(folder: Path) -> list[Path]:
@@ -235,18 +253,65 @@ def expand_paths(specs) -> tuple[list[Path], list[tuple[str, str]]]:
     return files, missing
 
 
+def file_key(path: Path):
+    """(device, inode): the same file under two names (a path given twice, a folder and a file in it, a link)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def same_run(a: Run, b: Run) -> str | None:
+    """Why a and b are one run ("identical content"), None if they are two; UsageError if the logs share a run id
+    but differ: the trainer writes one log per run id, so one of them was edited or the run id reused, and
+    counting both could count one run twice."""
+    if a.digest is not None and a.digest == b.digest:
+        return "identical content"
+    if a.run_id == b.run_id:
+        raise UsageError(f"{a.path} and {b.path} have the same run id '{a.run_id}' but different content (a run id "
+                         "names one run: a log edited, or a --run-id used twice); keep only one of them, or rename "
+                         "the other log after its own run")
+    return None
+
+
 def load_runs(specs) -> tuple[list[Run], list[tuple[str, str]]]:
-    """Parse every log named by specs. Returns (finished runs, [(name, reason)] of skipped files)."""
+    """Parse every log named by specs. Returns (finished runs, [(name, reason)] of skipped files). Each run counts
+    once: a file met again, or a log with the same content as a counted one, is skipped with the first one named."""
     files, skipped = expand_paths(specs)
-    runs = []
+    runs, seen = [], {}
     for f in files:
+        key = file_key(f)
+        if key is not None and key in seen:
+            skipped.append((str(f), f"the same file as {seen[key]} (given twice)"))
+            continue
+        if key is not None:
+            seen[key] = f
         try:
-            runs.append(parse_log(f))
+            run = parse_log(f)
         except LogError as e:
             skipped.append((str(f), str(e)))
+            continue
         except Exception as e:  # one odd file must not take the whole report down
             skipped.append((str(f), f"could not be parsed ({type(e).__name__}: {e})"))
+            continue
+        first = next(((r, why) for r in runs if (why := same_run(r, run))), None)
+        if first:
+            skipped.append((str(f), f"the same run as {first[0].path} ({first[1]})"))
+        else:
+            runs.append(run)
     return runs, skipped
+
+
+def disjoint_sets(new: list[Run], prior: list[Run]) -> None:
+    """UsageError naming a run that is in both NEW and PRIOR: a comparison of a set with itself means nothing."""
+    for a in new:
+        for b in prior:
+            key = file_key(a.path)
+            why = "the same file" if key is not None and key == file_key(b.path) else same_run(a, b)
+            if why:
+                raise UsageError(f"NEW {a.path} and PRIOR {b.path} are the same run ({why}); a run counts in one "
+                                 "set only: take it out of NEW or PRIOR")
 
 
 # ---------------------------------------------------------------------------------------------- record check
@@ -773,26 +838,184 @@ def default_nproc(train_args) -> int:
                      "`./run.sh record NAME N --nproc 2 --device cpu --smoke`, or set SPEEDRUN_NPROC")
 
 
-def run_once(cmd, workdir: Path) -> Path:
-    """Launch cmd once in workdir, echoing its output; returns the log whose path the trainer printed."""
+class Interrupted(BaseException):
+    """SIGINT, SIGTERM or SIGHUP while `run` works. A BaseException, like KeyboardInterrupt, so that no
+    `except Exception` (a log that fails to parse, say) swallows it."""
+
+    def __init__(self, signum: int, log: Path | None = None):
+        super().__init__(signum)
+        self.signum, self.log = signum, log  # log: the unfinished run's log, if the trainer had printed its path
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_GRACE_S = 45.0  # torchrun gives its workers 30 s to exit after it passes a signal on, then kills them
+_signals = {"hold": 0, "got": []}
+
+
+def _on_signal(signum, frame):
+    _signals["got"].append(signum)
+    if not _signals["hold"]:
+        raise Interrupted(signum)
+
+
+class held:
+    """A block that a stop signal does not cut short: the signal is raised as Interrupted when the block ends
+    (nested: when the outermost one ends; raise_at_end=False: not at all, the caller looks at _signals['got'])."""
+
+    def __init__(self, raise_at_end: bool = True):
+        self.raise_at_end = raise_at_end
+
+    def __enter__(self):
+        _signals["hold"] += 1
+        self.seen = len(_signals["got"])
+        return self
+
+    def __exit__(self, *exc):
+        _signals["hold"] -= 1
+        late = _signals["got"][self.seen:]
+        if late and self.raise_at_end and not _signals["hold"] and exc[0] is None:
+            raise Interrupted(late[0])
+        return False
+
+
+class stop_signals_raise:
+    """While active, SIGINT, SIGTERM and SIGHUP raise Interrupted in the main thread (elsewhere: left alone)."""
+
+    def __enter__(self):
+        self.old = {}
+        if threading.current_thread() is threading.main_thread():
+            _signals["got"].clear()
+            for sig in STOP_SIGNALS:
+                self.old[sig] = signal.signal(sig, _on_signal)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+        _signals["hold"] = 0  # the handler raised, and stop_launch or the caller held the later signals
+        return False
+
+
+def _proc_stat(pid: int):
+    """(ppid, start time, state) of a live process from /proc (Linux); None when it is gone or there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # after the name (may hold spaces)
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[19], fields[0]
+
+
+def _descendants(root: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every process below root, whatever its session: torchrun starts each worker in a
+    session of its own, which a signal to torchrun's process group does not reach."""
+    children = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        st = _proc_stat(int(entry.name))
+        if st:
+            children.setdefault(st[0], []).append((int(entry.name), st[1]))
+    out, todo = set(), [root]
+    while todo:
+        for pid, start in children.get(todo.pop(), []):
+            if (pid, start) not in out:
+                out.add((pid, start))
+                todo.append(pid)
+    return out
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_launch(proc: subprocess.Popen, signum: int) -> None:
+    """End a launch on a stop signal: pass the signal to the launcher's process group, give it STOP_GRACE_S to
+    exit (a second signal cuts that short), then SIGKILL whatever is left of it, workers in other sessions too."""
+    with held(raise_at_end=False) as h:
+        tree = _descendants(proc.pid)  # now: a worker whose launcher has died is no longer found below it
+        if proc.returncode is None:  # not reaped yet, so its pid is still its process group's id
+            _killpg(proc.pid, signum)
+            deadline = time.monotonic() + STOP_GRACE_S
+            while time.monotonic() < deadline and len(_signals["got"]) == h.seen:
+                # WNOWAIT leaves the launcher unreaped: its group id cannot be reused before the kill below
+                try:
+                    if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                        break
+                except ChildProcessError:  # reaped after all (the signal came as Popen.wait returned)
+                    break
+                time.sleep(0.05)
+            tree |= _descendants(proc.pid)
+            _killpg(proc.pid, signal.SIGKILL)
+        for pid, start in tree:
+            st = _proc_stat(pid)
+            if st and st[1] == start and st[2] != "Z":  # the same process still (not a new one with its pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        proc.wait()
+
+
+def _echo(stream, printed: list, base: Path, muted: threading.Event) -> None:
+    """Copy the launch's output to ours (until muted) and collect the log paths it prints."""
+    for line in stream:
+        if m := LOG_PATH_RE.search(line.strip()):
+            printed.append(base / m.group(1))  # an absolute path stays absolute
+        if not muted.is_set():
+            try:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            except (OSError, ValueError):  # our stdout closed: keep draining the pipe so the launch never blocks
+                muted.set()
+
+
+def run_once(cmd, workdir: Path, base: Path) -> tuple[int, Path | None]:
+    """Launch cmd once in workdir, echoing its output. Returns (exit status, the log whose path the trainer printed,
+    relative to base). The launch is a process group of its own, so that on a stop signal it is ended whole
+    (stop_launch) and nothing of it outlives `run`; Interrupted then carries the unfinished run's log."""
     print(f"$ {shlex.join(cmd)}", flush=True)
     env = dict(os.environ)
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, env=env)
-    printed = []
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        if m := LOG_PATH_RE.search(line.strip()):
-            printed.append(workdir / m.group(1))  # an absolute path stays absolute
-    if (rc := proc.wait()) != 0:
-        raise RuntimeError(f"launcher exited with status {rc}")
-    log = next((p for p in printed if p.is_file()), None)
-    if log is None:
-        raise RuntimeError("the trainer printed no path of an existing log file (its first line: logs/<run_id>.txt)")
-    return log
+    printed, muted, proc, reader = [], threading.Event(), None, None
+    try:
+        with held():  # the Popen object must exist before a signal may end the launch
+            group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+            # stdin: a process outside the terminal's foreground group is stopped if it reads the terminal
+            proc = subprocess.Popen(cmd, cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, env=env, **group)
+            reader = threading.Thread(target=_echo, args=(proc.stdout, printed, base, muted), daemon=True)
+            reader.start()
+        rc = proc.wait()
+        reader.join()
+    except Interrupted as e:
+        muted.set()  # the launcher's and workers' reports of the signal (tracebacks) are not echoed
+        if proc is not None:
+            stop_launch(proc, e.signum)
+        if reader is not None:
+            reader.join(timeout=5)
+        e.log = next((p for p in printed if p.is_file()), None)
+        raise
+    finally:
+        if proc is not None and proc.stdout:
+            proc.stdout.close()
+    return rc, next((p for p in printed if p.is_file()), None)
+
+
+def interrupted_line(e: Interrupted, n: int, logs: list, name: str, not_a_record: bool) -> str:
+    """The one line `run` ends with on a stop signal: which runs finished, which did not, and how to file them."""
+    sig = signal.Signals(e.signum).name
+    done = " ".join(map(str, logs)) or "none"
+    if len(logs) < n:
+        where = f"during run {len(logs) + 1}/{n}"
+        unfinished = (f"; unfinished run: {e.log} (left where it is, not filed)" if e.log else
+                      "; unfinished run: no log (the trainer had not printed its path)")
+    else:
+        where, unfinished = f"after all {n} runs, while filing them", ""
+    refile = (f"; to file the finished runs: records/compare.py new {name} {' '.join(map(str, logs))}"
+              f"{' --not-a-record' if not_a_record else ''}") if logs else ""
+    return f"run: interrupted by {sig} {where}; finished runs: {done}{unfinished}; nothing filed{refile}"
 
 
 def cmd_run(args) -> int:
@@ -802,8 +1025,6 @@ def cmd_run(args) -> int:
     date = args.date or _dt.date.today().isoformat()
     record_folder(args.out, args.name, date, args.force, args.not_a_record)  # fail before launching anything
     launcher_text = args.launcher or os.environ.get("SPEEDRUN_LAUNCHER")
-    launcher = shlex.split(launcher_text) if launcher_text else [sys.executable, "-m", "torch.distributed.run",
-                                                                 "--standalone"]
     env_nproc = os.environ.get("SPEEDRUN_NPROC", "")
     if not env_nproc.isdigit() and env_nproc:
         raise UsageError(f"SPEEDRUN_NPROC={env_nproc!r}: set it to a process count, or unset it")
@@ -818,27 +1039,58 @@ def cmd_run(args) -> int:
                          "--not-a-record to run them and file them, labelled, under logs/not_records/ "
                          "(see records/README.md)")
     workdir = Path(args.workdir).resolve()
-    cmd = launcher + [f"--nproc_per_node={nproc}", TRAINER] + train
+    if launcher_text:
+        cmd, base = shlex.split(launcher_text) + [f"--nproc_per_node={nproc}", TRAINER] + train, workdir
+    else:  # run.sh checks the settings first (bad input: one line, exit 2) and runs from the repository root
+        cmd, base = [str(REPO_ROOT / "run.sh"), "launch", str(nproc)] + train, REPO_ROOT
+    run_id = trainer_arg(train, "--run-id")
+    if run_id and args.n > 1:
+        raise UsageError(f"--run-id {run_id} with N = {args.n}: a run id names one run (each run would write over "
+                         "the last one's log); leave --run-id out, each run then gets its own")
+    if run_id and (log := base / (trainer_arg(train, "--log-dir") or "logs") / f"{run_id}.txt").exists():
+        raise UsageError(f"--run-id {run_id}: {log} already exists and the trainer would write over it; pick "
+                         "another run id, or leave --run-id out")
     logs = []
-    for k in range(args.n):
-        print(f"=== run {k + 1}/{args.n} ===", flush=True)
+    with stop_signals_raise():
         try:
-            logs.append(run_once(cmd, workdir))
-        except (RuntimeError, OSError) as e:
-            print(f"error: run {k + 1}/{args.n} failed: {e}", file=sys.stderr)
-            if logs:
-                print("logs collected so far: " + " ".join(map(str, logs)), file=sys.stderr)
-            return 1
-        print(f"run {k + 1}/{args.n}: log {logs[-1]}", flush=True)
-    reproduce = (["./run.sh", "record", args.name, str(args.n), "--nproc", str(nproc)]
-                 + (["--launcher", launcher_text] if launcher_text else [])
-                 + (["--not-a-record"] if args.not_a_record else []) + (["--", *train] if train else []))
-    try:
-        new_record(args.name, logs, args.out, args.description, args.hardware, args.force, date,
-                   args.target, command=shlex.join(reproduce), not_a_record=args.not_a_record)
-    except UsageError as e:
-        raise UsageError(f"{e}. The logs are kept; to file them: records/compare.py new {args.name} "
-                         f"{' '.join(map(str, logs))} [--not-a-record]") from None
+            for k in range(args.n):
+                print(f"=== run {k + 1}/{args.n} ===", flush=True)
+                try:
+                    rc, log = run_once(cmd, workdir, base)
+                except OSError as e:
+                    raise UsageError(f"cannot start the launcher {cmd[0]} ({e.strerror or e}); check --launcher or "
+                                     "SPEEDRUN_LAUNCHER" + (f" (logs so far: {' '.join(map(str, logs))})"
+                                                            if logs else "")) from None
+                so_far = "logs collected so far: " + " ".join(map(str, logs))
+                if rc == 2:  # bad input, which the trainer (or run.sh) has reported in one line: nothing to add
+                    if logs:
+                        print(so_far, file=sys.stderr)
+                    return 2
+                if rc != 0 or log is None:
+                    why = (f"launcher exited with status {rc}" if rc != 0 else
+                           "the trainer printed no path of an existing log file (its first line: logs/<run_id>.txt)")
+                    print(f"error: run {k + 1}/{args.n} failed: {why}", file=sys.stderr)
+                    if logs:
+                        print(so_far, file=sys.stderr)
+                    return 1
+                if log in logs:  # the same run id twice (e.g. set by a custom launcher): one log overwrote the other
+                    raise UsageError(f"run {k + 1}/{args.n} wrote {log} again, over an earlier run's log: each run "
+                                     "needs its own run id; nothing filed")
+                logs.append(log)
+                print(f"run {k + 1}/{args.n}: log {log}", flush=True)
+            reproduce = (["./run.sh", "record", args.name, str(args.n), "--nproc", str(nproc)]
+                         + (["--launcher", launcher_text] if launcher_text else [])
+                         + (["--not-a-record"] if args.not_a_record else []) + (["--", *train] if train else []))
+            try:
+                new_record(args.name, logs, args.out, args.description, args.hardware, args.force, date,
+                           args.target, command=shlex.join(reproduce), not_a_record=args.not_a_record)
+            except UsageError as e:
+                raise UsageError(f"{e}. The logs are kept; to file them: records/compare.py new {args.name} "
+                                 f"{' '.join(map(str, logs))} [--not-a-record]") from None
+        except Interrupted as e:
+            _signals["hold"] += 1  # a further signal must not cut this line short (released on leaving the with)
+            print(interrupted_line(e, args.n, logs, args.name, args.not_a_record), file=sys.stderr, flush=True)
+            return 128 + e.signum
     return 0
 
 
@@ -870,9 +1122,11 @@ RECORD_OPTS = [  # options of `new` and `run`
 RUN_OPTS = [
     ("--nproc", dict(type=int, help="processes per run (default: visible GPUs rounded down to 1/2/4/8; "
                                     "no GPU and --device cpu or --smoke: 2; env SPEEDRUN_NPROC)")),
-    ("--launcher", dict(help="launcher command (default: python -m torch.distributed.run --standalone, i.e. "
-                             "torchrun; env SPEEDRUN_LAUNCHER)")),
-    ("--workdir", dict(default=str(REPO_ROOT), help="folder to launch in (default: the repository root)")),
+    ("--launcher", dict(metavar="CMD", help="launcher command, run as CMD --nproc_per_node=K train_gpt.py TRAIN_ARGS (default: "
+                             "./run.sh launch K TRAIN_ARGS, which checks the settings, then runs torchrun; env "
+                             "SPEEDRUN_LAUNCHER)")),
+    ("--workdir", dict(default=str(REPO_ROOT), help="folder to launch in (default: the repository root; the "
+                                                    "default launcher always runs from there)")),
 ]
 
 
@@ -954,6 +1208,7 @@ def cmd_summary(args) -> int:
 
 def cmd_compare(args) -> int:
     new, prior = load_set([args.new], args.target), load_set([args.prior], args.target)
+    disjoint_sets(new.runs, prior.runs)
     print(compare_text(new, prior))
     if not new.runs or not prior.runs:
         raise UsageError(f"{'NEW' if not new.runs else 'PRIOR'} has no finished runs (see the SKIPPED lines)")

@@ -4,15 +4,18 @@ import json
 import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from processes import run_group
+from processes import STARTED_GROUPS, group_members, kill_group, run_group
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures" / "records"
@@ -212,8 +215,8 @@ def test_welch_matches_scipy():
 
 
 def test_compare_cli_verdict(tmp_path, capsys):
-    new = write_set(tmp_path / "new", PR168_LOSSES, PR168_TIMES)
-    write_set(tmp_path / "prior", BASE_LOSSES, BASE_TIMES)
+    new = write_set(tmp_path / "new", PR168_LOSSES, PR168_TIMES, prefix="new")  # a run id names one run
+    write_set(tmp_path / "prior", BASE_LOSSES, BASE_TIMES, prefix="prior")
     code, out, _ = cli(capsys, "compare", tmp_path / "new", tmp_path / "prior")
     assert code == 0
     ref = stats.ttest_ind(PR168_TIMES, BASE_TIMES, equal_var=False).pvalue
@@ -396,7 +399,7 @@ def test_run_options_are_not_trainer_flags():
 
 
 FAKE_LAUNCHER = textwrap.dedent('''\
-    import sys, uuid, pathlib, json
+    import json, os, pathlib, subprocess, sys, time, uuid
     args = sys.argv[1:]
     out = pathlib.Path("logs"); out.mkdir(exist_ok=True)
     calls = pathlib.Path("calls.jsonl")
@@ -405,9 +408,20 @@ FAKE_LAUNCHER = textwrap.dedent('''\
         f.write(json.dumps(args) + "\\n")
     if "--fail" in args:
         print("boom"); sys.exit(3)
+    if "--bad" in args:  # what the trainer's settings check does with bad input: one line, exit 2
+        print("error: --bad: not a setting of train_gpt.py; see python3 train_gpt.py --help", file=sys.stderr)
+        sys.exit(2)
     template = pathlib.Path(sys.argv[0]).with_name("template.txt").read_text()
     path = out / f"{uuid.uuid4()}.txt"
-    path.write_text(template.replace("val_loss:3.2770", f"val_loss:{3.2760 + n / 10000:.4f}"))
+    if "--hang-from" in args and n + 1 >= int(args[args.index("--hang-from") + 1]):
+        # an unfinished run: its log so far, a worker in a session of its own (as torchrun starts them), then waits
+        path.write_text(template.split("step:1/")[0])
+        print(f"logs/{path.name}", flush=True)
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+        pathlib.Path("pids").write_text(f"{os.getpid()} {worker.pid}")
+        time.sleep(120)
+    # every real log differs (its timings); the last line keeps these apart where the template has no 3.2770
+    path.write_text(template.replace("val_loss:3.2770", f"val_loss:{3.2760 + n / 10000:.4f}") + f"fake run {n}\\n")
     print(f"logs/{path.name}")
     print("step:0/40 val_loss:8.2770 ...")
 ''')
@@ -831,3 +845,182 @@ def test_plot_writer_failing_halfway_leaves_no_file(tmp_path, capsys, monkeypatc
     code, _, err = cli(capsys, "plot", CPU, "-o", tmp_path / "x.pgf")
     assert code == 2 and len(err.splitlines()) == 1 and "xelatex" in err
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------- each run counts once
+
+def _skipped(out):
+    return [ln for ln in out.splitlines() if ln.startswith("SKIPPED")]
+
+
+def _n(out):
+    """The n of the val_loss statistics row of a summary."""
+    return int(re.search(r"^\| val_loss \|\s+(\d+) \|", out, flags=re.M).group(1))
+
+
+def test_summary_counts_a_log_given_twice_once(tmp_path, capsys):
+    a, b = write_set(tmp_path / "d", [3.2770, 3.2780])
+    code, out, err = cli(capsys, "summary", a, b, a)
+    assert code == 0, err
+    assert "2 finished run(s), 1 skipped" in out and _n(out) == 2
+    assert _skipped(out) == [f"SKIPPED {a}: the same file as {a} (given twice)"]
+    assert rc.p_value_below([3.2770, 3.2780]) == pytest.approx(float(re.search(r"< 3.28\): (\S+)", out).group(1)),
+                                                               rel=1e-3)
+
+
+def test_a_byte_identical_copy_under_another_name_counts_once(tmp_path, capsys):
+    a, b = write_set(tmp_path / "logs", [3.2770, 3.2780])
+    copy = tmp_path / "logs" / "z_copy.txt"
+    copy.write_bytes(a.read_bytes())
+    code, out, err = cli(capsys, "summary", tmp_path / "logs")
+    assert code == 0, err
+    assert "2 finished run(s), 1 skipped" in out and _n(out) == 2
+    assert _skipped(out) == [f"SKIPPED {copy}: the same run as {a} (identical content)"]
+    # `new` files the run once, and its row says 2 runs
+    code, out, err = cli(capsys, "new", "dup", tmp_path / "logs", "--out", tmp_path / "recs", "--date", "2026-03-01",
+                         "--not-a-record")
+    assert code == 0, err
+    assert _skipped(out) == [f"SKIPPED {copy}: the same run as {a} (identical content)"]
+    folder = tmp_path / "recs" / "2026-03-01_dup"
+    assert sorted(p.name for p in folder.glob("*.txt")) == [a.name, b.name]
+    assert "Runs: 2 ·" in (folder / "README.md").read_text()
+
+
+def test_a_folder_and_a_file_in_it_count_the_file_once(tmp_path, capsys):
+    logs = write_set(tmp_path / "d", [3.2770, 3.2780, 3.2790])
+    link = tmp_path / "link.txt"
+    link.symlink_to(logs[1])  # another name of the same file
+    code, out, err = cli(capsys, "summary", tmp_path / "d", logs[0], link)
+    assert code == 0, err
+    assert "3 finished run(s), 2 skipped" in out and _n(out) == 3
+    assert _skipped(out) == [f"SKIPPED {logs[0]}: the same file as {logs[0]} (given twice)",
+                             f"SKIPPED {link}: the same file as {logs[1]} (given twice)"]
+    # a comma list naming one file twice
+    code, out, _ = cli(capsys, "summary", f"{logs[2]},{logs[2]}")
+    assert code == 0 and "1 finished run(s), 1 skipped" in out and len(_skipped(out)) == 1
+
+
+def test_compare_refuses_a_run_in_both_new_and_prior(tmp_path, capsys):
+    new = write_set(tmp_path / "new", [3.2770, 3.2775], prefix="new")
+    prior = write_set(tmp_path / "prior", [3.2790, 3.2795], prefix="prior")
+    shared = tmp_path / "prior" / "shared.txt"
+    shared.write_bytes(new[1].read_bytes())
+    code, out, err = cli(capsys, "compare", tmp_path / "new", tmp_path / "prior")
+    assert code == 2 and out == "" and err.splitlines() == [
+        f"error: NEW {new[1]} and PRIOR {shared} are the same run (identical content); a run counts in one set "
+        "only: take it out of NEW or PRIOR"]
+    code, out, err = cli(capsys, "compare", new[0], f"{prior[0]},{new[0]}")  # one file in both
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and "are the same run (the same file)" in err
+    shared.unlink()
+    # within each set a run still counts once: NEW has 2 runs, PRIOR 2
+    code, out, err = cli(capsys, "compare", f"{new[0]},{new[1]},{new[0]}", tmp_path / "prior")
+    assert code == 0, err
+    assert re.search(r"^\| runs +\| 2 +\| 2 +\|$", out, flags=re.M)
+    assert re.search(r"^\| skipped +\| 1 +\| 0 +\|$", out, flags=re.M)
+    assert f"NEW SKIPPED {new[0]}: the same file as {new[0]} (given twice)" in out.splitlines()
+
+
+def test_a_run_id_reused_with_different_content_is_refused(tmp_path, capsys):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = tmp_path / "a" / "run-7.txt", tmp_path / "b" / "run-7.txt"
+    first.write_text(make_log(3.2770))
+    second.write_text(make_log(3.2790))
+    msg = (f"error: {first} and {second} have the same run id 'run-7' but different content (a run id names one "
+           "run: a log edited, or a --run-id used twice); keep only one of them, or rename the other log after its "
+           "own run")
+    code, out, err = cli(capsys, "summary", tmp_path / "a", tmp_path / "b")
+    assert code == 2 and out == "" and err.splitlines() == [msg]
+    code, out, err = cli(capsys, "new", "reused", first, second, "--out", tmp_path / "recs", "--not-a-record")
+    assert code == 2 and out == "" and err.splitlines() == [msg] and not (tmp_path / "recs").exists()
+    code, out, err = cli(capsys, "compare", first, second)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and str(first) in err and str(second) in err
+    # an unfinished log of that run id is not a second run: it is skipped for what it is, and nothing is refused
+    second.write_text(make_log(3.2790, finish=False))
+    code, out, err = cli(capsys, "summary", tmp_path / "a", tmp_path / "b")
+    assert code == 0, err
+    assert "1 finished run(s), 1 skipped" in out and _n(out) == 1
+    assert _skipped(out) == [f"SKIPPED {second}: unfinished run: last validation at step 30/40, no final "
+                             "validation line"]
+
+
+def test_run_refuses_a_run_id_that_would_overwrite_a_log(tmp_path, capsys):
+    work, opts = _fake_setup(tmp_path, make_log(3.2770, total=2160, val_every=250))
+    code = rc.main(["run", "exp", "2", "--nproc", "8", *opts, "--run-id", "mine"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and "--run-id mine with N = 2" in err
+    (work / "logs").mkdir()
+    (work / "logs" / "mine.txt").write_text("an earlier run\n")
+    code = rc.main(["run", "exp", "1", "--nproc", "8", *opts, "--run-id=mine"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and f"{work / 'logs' / 'mine.txt'} already exists" in err
+    assert _calls(work) == [] and (work / "logs" / "mine.txt").read_text() == "an earlier run\n"
+
+
+# ---------------------------------------------------------------------------------------------- run: launcher, signals
+
+def test_run_stops_with_exit_2_on_bad_input_and_adds_no_second_error(tmp_path, capsys):
+    work, opts = _fake_setup(tmp_path, make_log(3.2770, total=2160, val_every=250))
+    code = rc.main(["run", "exp", "2", "--nproc", "8", *opts, "--bad"])
+    out, err = capsys.readouterr()
+    assert code == 2 and err == ""  # the launcher's one line (echoed on stdout) is the whole report
+    assert [ln for ln in out.splitlines() if "error" in ln] == [
+        "error: --bad: not a setting of train_gpt.py; see python3 train_gpt.py --help"]
+    assert "Traceback" not in out and len(_calls(work)) == 1 and not (tmp_path / "out").exists()
+
+
+def test_run_launches_through_run_sh_launch_by_default(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SPEEDRUN_LAUNCHER", raising=False)
+    repo, _ = _repo_at(tmp_path, monkeypatch)
+    _, opts = _fake_setup(tmp_path, make_log(3.2770, total=2160, val_every=250), out=False)
+    fake_run_sh = repo / "run.sh"  # like run.sh: runs from its own folder, whatever the caller's
+    fake_run_sh.write_text(f'#!/bin/sh\ncd "$(dirname "$0")"\nexec {shlex.quote(sys.executable)} '
+                           f'{shlex.quote(str(tmp_path / "fake_launcher.py"))} "$@"\n')
+    fake_run_sh.chmod(0o755)
+    code = rc.main(["run", "exp", "2", "--nproc", "8", "--date", "2026-01-01", "--", "--seed", "7"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert _calls(repo) == [["launch", "8", "--seed", "7"]] * 2
+    assert f"$ {fake_run_sh} launch 8 --seed 7" in out.splitlines()
+    folder = repo / "records" / "2026-01-01_exp"
+    assert len(list(folder.glob("*.txt"))) == 2
+    repro = (folder / "README.md").read_text().split("## Reproduce")[1].split("```")[1].strip()
+    assert repro == "./run.sh record exp 2 --nproc 8 -- --seed 7"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_run_interrupted_ends_cleanly_and_leaves_nothing_running(tmp_path, sig):
+    work, opts = _fake_setup(tmp_path, make_log(3.2770, total=2160, val_every=250))
+    cmd = [sys.executable, str(REPO / "records" / "compare.py"), "run", "exp", "2", "--nproc", "8", *opts,
+           "--hang-from", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    STARTED_GROUPS.add(proc.pid)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (work / "pids").is_file() or not (work / "pids").read_text():  # the second run is under way
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        pids = [int(x) for x in (work / "pids").read_text().split()]  # the launcher and its worker
+        os.killpg(proc.pid, sig)  # as Ctrl-C does: to the foreground process group, which is compare.py's own
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc.pid)
+    assert proc.returncode == 128 + sig, (out, err)
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    finished = re.search(r"^run 1/2: log (\S+)$", out, flags=re.M).group(1)
+    unfinished = [p for p in (work / "logs").glob("*.txt") if str(p) != finished]
+    assert len(unfinished) == 1 and unfinished[0].is_file()  # left where it is
+    assert err.splitlines() == [
+        f"run: interrupted by {sig.name} during run 2/2; finished runs: {finished}; unfinished run: {unfinished[0]} "
+        f"(left where it is, not filed); nothing filed; to file the finished runs: records/compare.py new exp "
+        f"{finished}"]
+    assert not (tmp_path / "out").exists()
+    assert [pid for pid in pids if _running(pid)] == [] and group_members(proc.pid) == []
