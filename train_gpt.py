@@ -32,6 +32,7 @@ import os
 os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
 
 import argparse
+import ast
 import collections
 import concurrent.futures
 import contextlib
@@ -41,7 +42,11 @@ import functools
 import gc
 import getpass
 import glob
+import hashlib
+import inspect
 import math
+import re
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -73,9 +78,11 @@ def _kernels_usable(t: Tensor) -> bool:
 # Config
 # =====================================================================================
 
-def setting(default, help: str, choices: tuple = None):
-    """A Hyperparameters field with its one-line --help text (and allowed values, where they are fixed)."""
-    return field(default=default, metadata=dict(help=help, choices=choices))
+def setting(default, help, choices: tuple = None, within: str = None, length: int = None):
+    """A Hyperparameters field: its one-line --help (a function where it quotes tables defined further down), and
+    what a valid value is: one of `choices`, or numbers (each
+    element of a tuple) inside the interval `within` ("(0, 1]", "[1, inf)"), a tuple of `length` values."""
+    return field(default=default, metadata=dict(help=help, choices=choices, within=within, length=length))
 
 
 @dataclass
@@ -84,78 +91,85 @@ class Hyperparameters:
     data_path: str = setting("data/fineweb10B", "folder holding the token shards")
     train_files: str = setting("fineweb_train_*.bin", "glob of the training shards inside --data-path")
     val_files: str = setting("fineweb_val_*.bin", "glob of the validation shards inside --data-path")
-    train_epochs: int = setting(1, "passes over the training shards; >1 lets a small (proxy) set last the schedule")
-    val_tokens: int = setting(10_485_760, "validation tokens, the metric's 10*2^20 first tokens of the val shard")
-    val_batch_size: int = setting(4 * 64 * 1024 * 8, "global tokens per validation step")
-    train_max_seq_len: int = setting(2048, "longest training document, in tokens (longer ones are cut)")
+    train_epochs: int = setting(1, "passes over the training shards; >1 lets a small (proxy) set last the schedule",
+                                within="[1, inf)")
+    val_tokens: int = setting(10_485_760, "validation tokens, the metric's 10*2^20 first tokens of the val shard",
+                              within="[1, inf)")
+    val_batch_size: int = setting(4 * 64 * 1024 * 8, "global tokens per validation step", within="[1, inf)")
+    train_max_seq_len: int = setting(2048, "longest training document, in tokens (longer ones are cut)",
+                                     within="[1, inf)")
     # schedule
-    num_scheduled_iterations: int = setting(2120, "scheduled training steps (batch-size stages, lr cool-down)")
-    num_extension_iterations: int = setting(40, "extra steps after the schedule at the floor lr and the final window")
-    cooldown_frac: float = setting(0.55, "fraction of the scheduled steps over which the lr cools down to --lr-floor")
+    num_scheduled_iterations: int = setting(2120, "scheduled training steps (batch-size stages, lr cool-down)",
+                                            within="[1, inf)")
+    num_extension_iterations: int = setting(40, "extra steps after the schedule at the floor lr and the final window",
+                                            within="[0, inf)")
+    cooldown_frac: float = setting(0.55, "fraction of the scheduled steps over which the lr cools down to --lr-floor",
+                                   within="(0, 1]")
     train_bs_schedule: tuple = setting((8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8),
-                                       "global tokens per step for each batch-size stage (equal thirds)")
-    train_bs_extension: int = setting(24 * 2048 * 8, "global tokens per step in the extension steps")
-    lr_plateaus: tuple = setting((1.0, 1.51, 1.93), "lr multiplier per stage, ~(batch/131072)^0.6")
-    lr_plateau_starts: tuple = setting((0.0, 0.33, 0.66), "fraction of the scheduled steps where each plateau starts")
-    lr_floor: float = setting(0.1, "lr multiplier at the end of the cool-down and in the extension")
-    ws_schedule: tuple = setting((3, 7, 11), "long attention window per stage, in blocks (short = long // 2)")
-    ws_final: int = setting(13, "long attention window of the extension steps, in blocks")
-    ws_validate_post_yarn_ext: int = setting(20, "long window of the final validation, in blocks (no YaRN update)")
-    block_size: int = setting(128, "tokens per attention-window block")
-    muon_momentum_warmup: tuple = setting((0.85, 0.95, 300), "NorMuon momentum ramp: START,END,STEPS from step 0")
+                                       "global tokens per step for each batch-size stage (equal thirds)",
+                                       within="[1, inf)")
+    train_bs_extension: int = setting(24 * 2048 * 8, "global tokens per step in the extension steps",
+                                      within="[1, inf)")
+    lr_plateaus: tuple = setting((1.0, 1.51, 1.93), "lr multiplier per stage, ~(batch/131072)^0.6", within="[0, inf)")
+    lr_plateau_starts: tuple = setting((0.0, 0.33, 0.66), "fraction of the scheduled steps where each plateau starts",
+                                       within="[0, 1)")
+    lr_floor: float = setting(0.1, "lr multiplier at the end of the cool-down and in the extension", within="[0, inf)")
+    ws_schedule: tuple = setting((3, 7, 11), "long attention window per stage, in blocks (short = long // 2)",
+                                 within="[1, inf)")
+    ws_final: int = setting(13, "long attention window of the extension steps, in blocks", within="[1, inf)")
+    ws_validate_post_yarn_ext: int = setting(20, "long window of the final validation, in blocks (no YaRN update)",
+                                             within="[1, inf)")
+    block_size: int = setting(128, "tokens per attention-window block", within="[1, inf)")
+    muon_momentum_warmup: tuple = setting((0.85, 0.95, 300), "NorMuon momentum ramp: START,END,STEPS from step 0",
+                                          within="[0, inf)", length=3)
     muon_momentum_cooldown: tuple = setting((0.95, 0.85, 50), "NorMuon momentum ramp START,END over the last STEPS "
-                                                              "steps; the warm-up wins where they overlap")
-    warmup_steps_per_stage: int = setting(10, "untimed kernel warm-up steps per stage before the clock starts")
+                                            "steps (the warm-up wins where they overlap)", within="[0, inf)", length=3)
+    warmup_steps_per_stage: int = setting(10, "untimed kernel warm-up steps per stage before the clock starts",
+                                          within="[2, inf)")
     # model
-    vocab_size: int = setting(50257, "GPT-2 vocabulary (padded to a multiple of 128 in the model)")
-    num_layers: int = setting(12, "transformer blocks (the layer map is defined for 12 only)")
-    model_dim: int = setting(768, "width of the residual stream")
-    num_heads: int = setting(6, "attention heads")
-    head_dim: int = setting(128, "width of each attention head")
+    vocab_size: int = setting(50257, "vocabulary size (padded to a multiple of 128); the shards hold uint16 tokens",
+                              within="[1, 65536]")
+    num_layers: int = setting(12, "transformer blocks (the layer map is defined for 12 only)", within="[12, 12]")
+    model_dim: int = setting(768, "width of the residual stream", within="[12, inf)")
+    num_heads: int = setting(6, "attention heads", within="[1, inf)")
+    head_dim: int = setting(128, "width of each attention head", within="[4, inf)")
     # optimizers
-    adam_lr: float = setting(0.008, "DistAdam lr (embeddings x75, scalars x5, lm_head x1)")
-    adam_betas: tuple = setting((0.65, 0.95), "DistAdam BETA1,BETA2")
-    adam_eps: float = setting(1e-8, "DistAdam epsilon")
-    muon_lr: float = setting(0.023, "NorMuon lr for the hidden matrices and gates")
-    muon_weight_decay: float = setting(1.2, "NorMuon cautious weight decay (scaled by the scheduled lr)")
-    muon_beta2: float = setting(0.95, "NorMuon second-moment decay")
-    orthogonalizer: str = setting("polar", "NorMuon orthogonalizer: Polar Express (5 steps) or Turbo-Muon "
-                                           "(AOL-preconditioned, 4 steps)", ("polar", "turbo"))
+    adam_lr: float = setting(0.008, "DistAdam lr (embeddings x75, scalars x5, lm_head x1)", within="[0, inf)")
+    adam_betas: tuple = setting((0.65, 0.95), "DistAdam BETA1,BETA2", within="[0, 1)", length=2)
+    adam_eps: float = setting(1e-8, "DistAdam epsilon", within="(0, inf)")
+    muon_lr: float = setting(0.023, "NorMuon lr for the hidden matrices and gates", within="[0, inf)")
+    muon_weight_decay: float = setting(1.2, "NorMuon cautious weight decay (scaled by the scheduled lr)",
+                                       within="[0, inf)")
+    muon_beta2: float = setting(0.95, "NorMuon second-moment decay", within="[0, 1)")
+    orthogonalizer: str = setting("polar", lambda: f"NorMuon orthogonalizer: Polar Express ({len(POLAR_EXPRESS_COEFFS)} "
+                                  f"steps) or Turbo-Muon (AOL-preconditioned, {len(TURBO_MUON_COEFFS)} steps)",
+                                  ("polar", "turbo"))
     # run
-    val_loss_every: int = setting(250, "validate every N steps; 0: only at the end")
+    val_loss_every: int = setting(250, "validate every N steps; 0: only at the end", within="[0, inf)")
     save_checkpoint: bool = setting(False, "save model and optimizer states to <log-dir>/<run-id>/ at the end")
-    run_id: str = setting("", "name of the log file; empty: a random UUID4")
-    seed: int = setting(-1, "torch seed for the initialisation; -1: unseeded, like the record")
-    device: str = setting("auto", "where to train; auto: CUDA when visible, else the CPU for --smoke and an error "
-                                  "otherwise", ("auto", "cuda", "cpu"))
-    attn_backend: str = setting("auto", "attention kernels; auto: FlashAttention-4 (pip install flash-attn-4; "
-                                        "Hopper/Blackwell), then PyTorch's FA2 varlen (closest to the record's FA3), "
-                                        "then the reference (CPU)", ("auto", "fa4", "varlen", "reference"))
-    compile: str = setting("auto", "torch.compile the model and optimizer helpers; auto: on for CUDA; off: eager, "
-                                   "for debugging (and the CPU)", ("auto", "on", "off"))
-    fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA; off: bf16, for GPUs without "
-                               "FP8 (before Hopper)", ("auto", "on", "off"))
-    fused_fp8_head: bool = setting(True, "FP8 lm_head + softcapped cross-entropy with a fused Triton forward and "
-                                         "backward (fast math: the softcap's sigmoid through the GPU's tanh.approx); "
-                                         "false: unfused, closest to the record's arithmetic (fidelity checks)")
-    mlp_kernel: str = setting("auto", "ReLU² MLP kernels: quack's fused GEMM+activation (pip install quack-kernels; "
-                                      "Hopper/Blackwell; each attention output projection then adds its residual in "
-                                      "a quack GEMM's epilogue too) or Inductor's (cuBLAS + fused pointwise); auto: "
-                                      "quack where it imports on such a GPU", ("auto", "quack", "inductor"))
-    cuda_graphs: str = setting("auto", "replay each training micro-batch (forward, backward and its NCCL "
-                                       "reduce-scatters) as one CUDA graph, captured in the warm-up; auto: on with "
-                                       "CUDA and torch.compile; off: the eager path, for debugging and A/B timing",
-                               ("auto", "on", "off"))
-    compile_cache: str = setting("", "portable compile-cache bundle: loaded before the warm-up when it was made "
-                                     "with this torch/triton/GPU, written after the warm-up when not; empty: off")
+    run_id: str = setting("", "name of the log, <log-dir>/<run-id>.txt (letters, digits, . _ -); empty: a UUID4")
+    replace_log: bool = setting(False, "replace an existing log (and checkpoint) of the same --run-id instead of "
+                                       "refusing to start")
+    seed: int = setting(-1, "torch seed for the initialisation; -1: unseeded, like the record", within="[-1, inf)")
+    device: str = setting("auto", "where to train; auto: CUDA when visible, else the CPU for --smoke",
+                          ("auto", "cuda", "cpu"))
+    kernels: str = setting("fused", lambda: "fused: each fused kernel this GPU runs (a checked twin of a plain "
+                                            "function); plain: PyTorch ops only; or a list of " + ",".join(FUSED_KERNELS))
+    compile: str = setting("auto", "torch.compile the model and optimizer helpers; auto: on for CUDA; off: eager "
+                                   "(debugging, the CPU)", ("auto", "on", "off"))
+    fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA; off: bf16 (GPUs before Hopper)",
+                       ("auto", "on", "off"))
+    cuda_graphs: str = setting("auto", "replay each training micro-batch as one CUDA graph; auto: on with CUDA and "
+                                       "torch.compile; off: eager (debugging, A/B timing)", ("auto", "on", "off"))
+    compile_cache: str = setting("", "compile-cache bundle (a .zip file): loaded before the warm-up when it matches "
+                                     "this torch/triton/GPU, written after it when not; empty: off")
     log_dir: str = setting("logs", "folder for <run-id>.txt")
     fail_on_recompile: bool = setting(True, "stop if anything compiles inside the timed loop; false: for "
                                             "experiments that change shapes mid-run")
     smoke: bool = setting(False, "tiny preset for CPUs and tests: 128-wide model, 30+3 steps (flags still win)")
-    check: bool = setting(False, "only validate the settings and the data for WORLD_SIZE processes, then exit "
-                                 "(./run.sh does this before starting torchrun)")
+    check: bool = setting(False, "only validate the settings and the data for WORLD_SIZE processes, then exit")
     check_flags: bool = setting(False, "only validate the settings for WORLD_SIZE processes (not the data), then "
-                                       "exit (./run.sh does this before downloading FineWeb)")
+                                       "exit")
 
     @property
     def num_iterations(self) -> int:
@@ -199,6 +213,11 @@ def value_parser(kind: type, tuple_of: bool = False):
     return parse
 
 
+def help_text(f) -> str:
+    help = f.metadata["help"]
+    return help() if callable(help) else help
+
+
 class ConfigError(ValueError):
     """Bad user input: reported as one line on rank 0, never a traceback."""
 
@@ -208,21 +227,28 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see --help)")
 
 
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def parse_args(argv=None) -> Hyperparameters:
     """Every Hyperparameters field becomes --kebab-case; tuples take comma-separated values."""
     parser = ArgumentParser(
         usage="torchrun --standalone --nproc_per_node=8 train_gpt.py [FLAGS]   (1, 2, 4 or 8 processes)",
         description="NanoGPT speedrun trainer. The defaults are the December 2025 record's settings; lists take "
                     "comma-separated values, booleans true/false (a bare boolean flag means true).")
+    takes_value = set()
     for f in dataclasses.fields(Hyperparameters):
-        default, help, choices = f.default, f.metadata["help"], f.metadata["choices"]
-        flag = "--" + f.name.replace("_", "-")
+        default, help, choices = f.default, help_text(f), f.metadata["choices"]
+        flag = flag_name(f.name)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else repr(default) if default == "" else default
         help = f"{help} (default: {shown})"
         if isinstance(default, bool):
             parser.add_argument(flag, nargs="?", const=True, default=None, metavar="BOOL",
                                 type=value_parser(bool), help=help)
-        elif isinstance(default, tuple):
+            continue
+        takes_value.add(flag)
+        if isinstance(default, tuple):
             parser.add_argument(flag, default=None, metavar=",".join("ABCDE"[:len(default)]),
                                 type=value_parser(type(default[0]), tuple_of=True), help=help)
         else:
@@ -230,51 +256,69 @@ def parse_args(argv=None) -> Hyperparameters:
             metavar = None if choices else {int: "N", float: "X"}.get(kind, "TEXT")
             parser.add_argument(flag, default=None, type=str if kind is str else value_parser(kind), choices=choices,
                                 metavar=metavar, help=help)
-    given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, token in enumerate(argv[:-1]):  # argparse takes "-3,0,2" for a flag: glue a negative value to its flag
+        if token in takes_value and re.match(r"-[\d.]", argv[i + 1]):
+            argv[i:i + 2] = [f"{token}={argv[i + 1]}", ""]
+    given = {k: v for k, v in vars(parser.parse_args([a for a in argv if a != ""])).items() if v is not None}
     args = Hyperparameters(**(SMOKE_PRESET if given.get("smoke") else {}))
     args = dataclasses.replace(args, **given)  # explicit flags win over the smoke preset
     validate_args(args)
     return args
 
 
+def in_interval(x, interval: str) -> bool:
+    """x inside an interval written as "[lo, hi)", "(0, inf)", ...; NaN is inside none."""
+    lo, hi = (float(v) for v in interval[1:-1].split(","))
+    above = lo <= x if interval[0] == "[" else lo < x
+    below = x <= hi if interval[-1] == "]" else x < hi
+    return above and below
+
+
 def validate_args(args: Hyperparameters):
+    """Every setting checked before anything runs (also under --check): one ConfigError naming the flag."""
     def need(cond, msg):
         if not cond:
             raise ConfigError(msg)
-    for f in dataclasses.fields(args):  # argparse checks these too, but the benchmark builds settings in code
-        choices, value = f.metadata["choices"], getattr(args, f.name)
-        if choices and value not in choices:
-            raise ConfigError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}")
+    for f in dataclasses.fields(args):  # argparse checks types, but the benchmark and tests build settings in code
+        value, meta, flag = getattr(args, f.name), f.metadata, flag_name(f.name)
+        if meta["choices"]:
+            need(value in meta["choices"], f"{flag} must be one of {', '.join(meta['choices'])}, got {value!r}")
+        values = value if isinstance(value, tuple) else (value,)
+        shown = ",".join(map(str, values))
+        if meta["length"] is not None:
+            need(len(values) == meta["length"], f"{flag} takes {meta['length']} comma-separated values, got {shown}")
+        if meta["within"] is not None:
+            need(all(in_interval(v, meta["within"]) for v in values),
+                 f"{flag} must be in {meta['within']}{' (each value)' if len(values) > 1 else ''}, got {shown}")
+    need(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", args.run_id) or args.run_id == "",
+         f"--run-id {args.run_id!r} is not a plain file name: use letters, digits, '.', '_' and '-' (it names "
+         f"<log-dir>/<run-id>.txt)")
+    need(parse_kernels(args.kernels) is not None, f"--kernels must be fused, plain or a comma-separated list of "
+                                                  f"{', '.join(FUSED_KERNELS)}; got {args.kernels!r}")
+    need(args.vocab_size > BOS_ID, f"--vocab-size must exceed {BOS_ID}, the <|endoftext|> id the shards hold")
     need(args.model_dim == args.num_heads * args.head_dim,
          f"--model-dim ({args.model_dim}) must equal --num-heads x --head-dim ({args.num_heads}x{args.head_dim})")
     need(args.head_dim % 4 == 0, "--head-dim must be a multiple of 4 (half-truncated rotary)")
-    need(args.num_layers == 12, "the layer map (skips, value embeddings, backout) is defined for --num-layers 12 only")
     need(len(args.train_bs_schedule) == len(args.ws_schedule) == len(args.lr_plateaus) == len(args.lr_plateau_starts),
          "--train-bs-schedule, --ws-schedule, --lr-plateaus and --lr-plateau-starts need one entry per stage")
     stages = len(args.train_bs_schedule)
     need(args.num_scheduled_iterations >= stages,
          f"--num-scheduled-iterations ({args.num_scheduled_iterations}) must be at least the number of batch-size "
          f"stages ({stages}, from --train-bs-schedule)")
-    need(args.num_extension_iterations >= 0,
-         f"--num-extension-iterations must be >= 0, got {args.num_extension_iterations}")
     starts = args.lr_plateau_starts
-    need(starts[0] == 0 and all(a < b for a, b in zip(starts, starts[1:])) and starts[-1] < 1,
-         f"--lr-plateau-starts must start at 0 and increase, each below 1, got {','.join(map(str, starts))}")
-    need(0 < args.cooldown_frac <= 1, f"--cooldown-frac must be in (0, 1], got {args.cooldown_frac}")
-    for flag, value in (("--muon-momentum-warmup", args.muon_momentum_warmup),
-                        ("--muon-momentum-cooldown", args.muon_momentum_cooldown)):
-        need(len(value) == 3 and value[2] >= 0, f"{flag} takes START,END,STEPS with STEPS >= 0, got "
-                                                f"{','.join(map(str, value))}")
-    need(all(bs > 0 for bs in (*args.train_bs_schedule, args.train_bs_extension)),
-         "--train-bs-schedule and --train-bs-extension must be positive token counts")
-    need(args.train_epochs >= 1, "--train-epochs must be >= 1")
-    need(args.val_batch_size > 0 and args.val_tokens % args.val_batch_size == 0,
+    need(starts[0] == 0 and all(a < b for a, b in zip(starts, starts[1:])),
+         f"--lr-plateau-starts must start at 0 and increase, got {','.join(map(str, starts))}")
+    for flag, (start, end, steps) in (("--muon-momentum-warmup", args.muon_momentum_warmup),
+                                      ("--muon-momentum-cooldown", args.muon_momentum_cooldown)):
+        need(start < 1 and end < 1 and steps == int(steps),
+             f"{flag} takes START,END,STEPS with momenta below 1 and a whole number of steps, got {start},{end},{steps}")
+    need(args.val_tokens % args.val_batch_size == 0,
          f"--val-tokens ({args.val_tokens}) must be a multiple of --val-batch-size ({args.val_batch_size})")
-    need(args.val_loss_every >= 0, "--val-loss-every must be >= 0")
 
 
 # =====================================================================================
-# lm_head: FP8 matmul, softcapped cross-entropy, their fused Triton backward, the module
+# lm_head: FP8 matmul, the softcapped cross-entropy and its fused Triton twin, the module
 # =====================================================================================
 
 # --- FP8 lm_head matmul ---------------------------------------------------------------
@@ -396,134 +440,110 @@ def quantize_e5m2(g: Tensor, grad_s: float) -> Tensor:
     return (g.float() / grad_s).to(torch.float8_e5m2)
 
 
-# --- softcapped cross-entropy, z = 30·sigmoid(logits/7.5): the math both training heads share ---------------------
-# The softcap bounds every logit to (0, 30), so the log-sum-exp needs no max subtraction (50304·e^30 ≈ 5e17, far
-# below fp32's 3e38): one pass over the (T, 50304) logits. The softcapped logits are never stored: the target's
-# term is gathered from the raw logits and the backward recomputes the softcap (the one-hot as a comparison).
-
-def softcap_ce_forward(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """(sum over tokens of CE(30·sigmoid(logits/7.5), targets), per-token log-sum-exp), both fp32."""
-    lse = torch.exp(30 * torch.sigmoid(logits.float() / 7.5)).sum(dim=-1).log()
-    z_target = 30 * torch.sigmoid(logits.gather(1, targets[:, None]).squeeze(1).float() / 7.5)
-    return (lse - z_target).sum(), lse
+# --- the plain head: softcapped logits and PyTorch's cross-entropy, as the record computes them ------------------
+SOFTCAP = 30.0        # every logit is squashed into (0, SOFTCAP) ...
+SOFTCAP_WIDTH = 7.5   # ... by z = SOFTCAP · sigmoid(logit / SOFTCAP_WIDTH)
 
 
-def softcap_ce_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor) -> Tensor:
-    """grad · d(softcap_ce_forward's sum)/d logits in fp32: grad·(softmax(z) - onehot)·4·s(1-s), s = sigmoid."""
-    s = torch.sigmoid(logits.float() / 7.5)
-    probs = torch.exp(30 * s - lse[:, None])
-    is_target = torch.arange(logits.size(1), device=logits.device)[None, :] == targets[:, None]
-    return grad * (probs - is_target.float()) * 4 * s * (1 - s)
+def softcap(logits: Tensor) -> Tensor:
+    return SOFTCAP * torch.sigmoid(logits / SOFTCAP_WIDTH)
 
 
-# --- fused backward of softcap + cross-entropy + FP8 gradient quantisation --------------------------------------
-
-# BLOCK_T, BLOCK_V, num_warps of _softcap_ce_backward_kernel: the fastest with fast math in bench/ce_kernel_bench.py's
-# sweep (with exact math 32x128 with 4 warps is).
-CE_BACKWARD_TILE = (64, 128, 8)
-
-
-@torch.library.custom_op("speedrun::softcap_ce_backward", mutates_args=())
-def softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor, grad_s: float,
-                        tile: list[int], fast_math: bool = False) -> tuple[Tensor, Tensor]:
-    """e5m2(bf16(grad·d/dlogits sum CE(30·sigmoid(logits/7.5))) / grad_s) as (T, V) and as its (V, T) transpose.
-    logits (T, V) bf16, lse (T,) fp32 log-sum-exp of the softcapped logits, targets (T,) int64, grad 0-D;
-    tile (BLOCK_T, BLOCK_V, num_warps) of the Triton kernel; fast_math: the training head's _softcap_sigmoid through
-    tanh.approx (exact math: the GPU checks' baseline)."""
-    T, V = logits.shape
-    if not _kernels_usable(logits):
-        return softcap_ce_backward_reference(logits, lse, targets, grad, grad_s)
-    g = torch.empty((T, V), dtype=torch.uint8, device=logits.device)
-    g_t = torch.empty((V, T), dtype=torch.uint8, device=logits.device)
-    launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s, round_bf16=True, fp8=True, tile=tile,
-                               fast_math=fast_math)
-    return g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
+def lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, fp8: bool) -> Tensor:
+    """Sum over tokens of the cross-entropy of the softcapped logits x wᵀ (FP8 operands in training on Hopper)."""
+    logits = lm_head_fp8(x, w) if fp8 else F.linear(x, w)
+    return F.cross_entropy(softcap(logits.float()), targets, reduction="sum")
 
 
-def softcap_ce_backward_reference(logits, lse, targets, grad, grad_s: float) -> tuple[Tensor, Tensor]:
-    """The same in PyTorch ops (CPU path; what the unfused head computes): bf16 gradient, /grad_s, e5m2."""
-    g_f8 = quantize_e5m2(softcap_ce_grad(logits, lse, targets, grad).to(torch.bfloat16), grad_s)
-    return g_f8, g_f8.t().contiguous()
+# --- its fused twin: FP8 matmul, then one Triton pass forward and one backward -----------------------------------
+# The softcap bounds every logit below SOFTCAP, so the log-sum-exp needs no max pass (50304·e^30 ≈ 5e17, far below
+# fp32's 3e38), and the softcapped logits are never stored: the backward recomputes them. Both passes take the
+# sigmoid from the GPU's tanh.approx, which moves far fewer e5m2 gradient bytes than their own rounding does.
 
-
-@softcap_ce_backward.register_fake
-def _(logits, lse, targets, grad, grad_s, tile, fast_math=False):
-    T, V = logits.shape
-    return (logits.new_empty((T, V), dtype=torch.float8_e5m2), logits.new_empty((V, T), dtype=torch.float8_e5m2))
-
-
-def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool,
-                               tile=None, fast_math: bool = False):
-    """Run _softcap_ce_backward_kernel; out (T, V) and out_t (V, T) are uint8 (fp8=True) or float32 buffers.
-    tile: (BLOCK_T, BLOCK_V, num_warps), CE_BACKWARD_TILE unless given (bench/ce_kernel_bench.py times others).
-    fast_math: the interpreter, which runs no PTX, gets the same formula with an exact tanh."""
-    T, V = logits.shape
-    block_t, block_v, warps = tile or CE_BACKWARD_TILE
-    assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
-    _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
-        logits, lse, targets, grad, out, out_t, T, V, grad_s, BLOCK_T=block_t, BLOCK_V=block_v,
-        ROUND_BF16=round_bf16, FP8=fp8, FAST_MATH=fast_math, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
-
-
-# --- fused forward of softcap + cross-entropy (training head) ----------------------------------------------------
-
-CE_FORWARD_TILE = (4, 1024, 8)  # BLOCK_T, BLOCK_V, num_warps of _softcap_ce_forward_kernel
+CE_FORWARD_TILE = (4, 1024, 8)    # BLOCK_T, BLOCK_V, num_warps of _softcap_ce_forward_kernel
+CE_BACKWARD_TILE = (64, 128, 8)   # the same of _softcap_ce_backward_kernel (bench/kernels/ce_kernel_bench.py)
 
 
 @torch.library.custom_op("speedrun::softcap_ce_forward", mutates_args=())
-def fused_softcap_ce_forward(logits: Tensor, targets: Tensor, fast_math: bool) -> tuple[Tensor, Tensor]:
-    """softcap_ce_forward in one Triton pass over the (T, V) logits: (summed loss, per-token log-sum-exp), fp32."""
-    if not _kernels_usable(logits):
-        return softcap_ce_forward(logits, targets)
+def fused_softcap_ce_forward(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(summed cross-entropy of softcap(logits), per-token log-sum-exp), both fp32, in one pass over the logits."""
     T = logits.size(0)
     lse = torch.empty(T, dtype=torch.float32, device=logits.device)
     per_token = torch.empty(T, dtype=torch.float32, device=logits.device)
-    launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math)
+    launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math=True)
     return per_token.sum(), lse
 
 
 @fused_softcap_ce_forward.register_fake
-def _(logits, targets, fast_math):
+def _(logits, targets):
     return logits.new_empty((), dtype=torch.float32), logits.new_empty((logits.size(0),), dtype=torch.float32)
 
 
-def launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math: bool, tile=None):
-    """Run _softcap_ce_forward_kernel: lse (T,) and per_token (T,) = lse - z_target, both fp32 buffers."""
+@torch.library.custom_op("speedrun::softcap_ce_backward", mutates_args=())
+def fused_softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor,
+                              grad_s: float) -> tuple[Tensor, Tensor]:
+    """The e5m2 operand of the FP8 backward, e5m2(bf16(grad · d loss / d logits) / grad_s), in the (T, V) and the
+    (V, T) layout its two GEMMs read."""
+    T, V = logits.shape
+    g = torch.empty((T, V), dtype=torch.uint8, device=logits.device)
+    g_t = torch.empty((V, T), dtype=torch.uint8, device=logits.device)
+    launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s, round_bf16=True, fp8=True, fast_math=True)
+    return g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
+
+
+@fused_softcap_ce_backward.register_fake
+def _(logits, lse, targets, grad, grad_s):
+    T, V = logits.shape
+    return (logits.new_empty((T, V), dtype=torch.float8_e5m2), logits.new_empty((V, T), dtype=torch.float8_e5m2))
+
+
+def launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math: bool):
+    """_softcap_ce_forward_kernel: lse (T,) and per_token (T,) = lse - z_target, fp32 buffers."""
     T, V = logits.shape
     assert logits.is_contiguous()
-    block_t, block_v, warps = tile or CE_FORWARD_TILE
+    block_t, block_v, warps = CE_FORWARD_TILE
     assert block_t * V < 2 ** 31, "in-tile offsets are int32"
     _softcap_ce_forward_kernel[(triton.cdiv(T, block_t),)](
-        logits, targets, lse, per_token, T, V, BLOCK_T=block_t, BLOCK_V=block_v, FAST_MATH=fast_math,
-        PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
+        logits, targets, lse, per_token, T, V, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t, BLOCK_V=block_v,
+        FAST_MATH=fast_math, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
 
 
-class FP8LMHeadCrossEntropySum(torch.autograd.Function):
-    """Training head with the FP8 lm_head: sum over tokens of CE(30·sigmoid((x Wᵀ)/7.5), targets), the function of
-    lm_head_fp8 + softcapped_cross_entropy_sum in fewer passes. Forward: the FP8 matmul, then one Triton pass for the
-    log-sum-exp. Backward: one Triton pass writes the e5m2 gradient in both layouts the two FP8 GEMMs need (no bf16
-    gradient tensor, cast or transpose). Both use fast math (tanh.approx for the softcap's sigmoid), which moves
-    far fewer e5m2 bytes than their own rounding does (tests/gpu measures it against the record's gradient)."""
+def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool,
+                               fast_math: bool):
+    """_softcap_ce_backward_kernel into out (T, V) and out_t (V, T): uint8 (fp8) or float32 buffers."""
+    T, V = logits.shape
+    block_t, block_v, warps = CE_BACKWARD_TILE
+    assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
+    _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
+        logits, lse, targets, grad, out, out_t, T, V, grad_s, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t,
+        BLOCK_V=block_v, ROUND_BF16=round_bf16, FP8=fp8, FAST_MATH=fast_math, PTX_TANH=not _TRITON_INTERPRET,
+        num_warps=warps)
+
+
+class FusedLMHeadLoss(torch.autograd.Function):
+    """lm_head_loss with FP8 operands in fewer passes: the FP8 matmul, one Triton pass for the log-sum-exp, and in
+    the backward one Triton pass that writes the e5m2 gradient in both layouts the FP8 GEMMs read (no bf16 gradient
+    tensor, cast or transpose)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
         logits, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_matmul(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
-        loss, lse = torch.ops.speedrun.softcap_ce_forward(logits, targets, True)
+        loss, lse = torch.ops.speedrun.softcap_ce_forward(logits, targets)
         ctx.save_for_backward(logits, targets, lse, x_f8_t, w_f8_t)
         return loss
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         logits, targets, lse, x_f8_t, w_f8_t = ctx.saved_tensors
-        g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE,
-                                                              list(CE_BACKWARD_TILE), True)
+        g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE)
         grad_x, grad_w = torch.ops.speedrun.fp8_matmul_backward(
             g_f8, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE, g_f8_t)
         return grad_x, grad_w, None
 
 
-def fp8_lm_head_cross_entropy_sum(x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
-    return FP8LMHeadCrossEntropySum.apply(x, w, targets)
+def fused_lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, fp8: bool) -> Tensor:
+    assert fp8, "the fused head is the FP8 one"
+    return FusedLMHeadLoss.apply(x, w, targets)
 
 
 def transpose_bytes(x: Tensor) -> Tensor:
@@ -581,21 +601,22 @@ if triton is not None:
             return 2.0 * tl.sigmoid(2.0 * y) - 1.0
 
     @triton.jit
-    def _softcap_sigmoid(x, FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
-        # s = sigmoid(logit/7.5), the softcap's z = 30·s. FAST_MATH: (1 + tanh(logit/15))/2 with tanh.approx, one
-        # special-function instruction instead of an exponential and a full-precision division.
+    def _softcap_sigmoid(x, WIDTH: tl.constexpr, FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
+        # s = sigmoid(logit/WIDTH), softcap's z = CAP·s. FAST_MATH: (1 + tanh(logit/(2·WIDTH)))/2 with tanh.approx,
+        # one special-function instruction instead of an exponential and a full-precision division.
         if FAST_MATH:
-            return 0.5 + 0.5 * _tanh_approx(x * (0.5 / 7.5), PTX_TANH)
+            return 0.5 + 0.5 * _tanh_approx(x * (0.5 / WIDTH), PTX_TANH)
         else:
-            return tl.sigmoid(x / 7.5)
+            return tl.sigmoid(x / WIDTH)
 
     @triton.jit
     def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
-                                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                                    CAP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                                    BLOCK_V: tl.constexpr,
                                     ROUND_BF16: tl.constexpr, FP8: tl.constexpr,
                                     FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
-        # One (BLOCK_T x BLOCK_V) tile of grad·d/dlogits sum_t CE(30·sigmoid(logits_t/7.5), target_t):
-        #   g = grad·(softmax(z) - onehot)·4·s·(1-s),  z = 30·s, s = sigmoid(logit/7.5)
+        # One (BLOCK_T x BLOCK_V) tile of grad·d/dlogits sum_t CE(softcap(logits_t), target_t):
+        #   g = grad·(softmax(z) - onehot)·(CAP/WIDTH)·s·(1-s),  z = CAP·s, s = sigmoid(logit/WIDTH)
         # rounded to bf16 (the record's gradient dtype), divided by grad_s, cast to e5m2 and stored as (T, V) for dX
         # and as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous), both stores coalesced. FP8=False
         # stores fp32 (tests); FAST_MATH: tanh.approx for the sigmoid and a multiplication by 1/grad_s.
@@ -613,10 +634,10 @@ if triton is not None:
         row_lse = tl.load(lse + rows, mask=rmask, other=0.0)
         row_target = tl.load(targets + rows, mask=rmask, other=-1)
         scale = tl.load(grad).to(tl.float32)
-        s = _softcap_sigmoid(x, FAST_MATH, PTX_TANH)
-        p = tl.exp(30.0 * s - row_lse[:, None])
+        s = _softcap_sigmoid(x, WIDTH, FAST_MATH, PTX_TANH)
+        p = tl.exp(CAP * s - row_lse[:, None])
         onehot = (cols[None, :] == row_target[:, None]).to(tl.float32)
-        g = scale * (p - onehot) * 4.0 * s * (1.0 - s)
+        g = scale * (p - onehot) * (CAP / WIDTH) * s * (1.0 - s)
         if ROUND_BF16:
             g = g.to(tl.bfloat16).to(tl.float32)
         if FAST_MATH:
@@ -631,11 +652,11 @@ if triton is not None:
         tl.store(out_t + tile_t + (c[:, None] * T + r[None, :]), tl.trans(q), mask=tl.trans(mask))
 
     @triton.jit
-    def _softcap_ce_forward_kernel(logits, targets, lse, per_token, T, V,
+    def _softcap_ce_forward_kernel(logits, targets, lse, per_token, T, V, CAP: tl.constexpr, WIDTH: tl.constexpr,
                                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
                                    FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
-        # BLOCK_T rows of the (T, V) logits, swept in BLOCK_V-wide chunks: lse = log sum_v exp(30·s(logit/7.5)) with
-        # no max pass (the softcap bounds z below 30), then per_token = lse - z_target. exp(30·s) is one exp2 with
+        # BLOCK_T rows of the (T, V) logits, swept in BLOCK_V-wide chunks: lse = log sum_v exp(CAP·s) with no max
+        # pass (the softcap bounds z below CAP), then per_token = lse - z_target. exp(CAP·s) is one exp2 with
         # the constant folded; FAST_MATH takes the sigmoid from tanh.approx, as the fused backward does. The
         # target's term keeps the exact sigmoid.
         row0 = tl.program_id(0) * BLOCK_T
@@ -648,81 +669,54 @@ if triton is not None:
             cols = col0 + tl.arange(0, BLOCK_V)
             mask = rmask[:, None] & (cols[None, :] < V)
             x = tl.load(logits + base + (r[:, None] * V + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
-            s = _softcap_sigmoid(x, FAST_MATH, PTX_TANH)
-            e = tl.exp2(s * (30.0 * 1.4426950408889634))
+            s = _softcap_sigmoid(x, WIDTH, FAST_MATH, PTX_TANH)
+            e = tl.exp2(s * (CAP * 1.4426950408889634))
             acc += tl.sum(tl.where(mask, e, 0.0), axis=1)
         row_lse = tl.log(acc)
         target = tl.load(targets + rows, mask=rmask, other=0)
         x_t = tl.load(logits + rows.to(tl.int64) * V + target, mask=rmask, other=0.0).to(tl.float32)
-        z_t = 30.0 * _softcap_sigmoid(x_t, False, PTX_TANH)
+        z_t = CAP * _softcap_sigmoid(x_t, WIDTH, False, PTX_TANH)
         tl.store(lse + rows, row_lse, mask=rmask)
         tl.store(per_token + rows, row_lse - z_t, mask=rmask)
 
 
-class SoftcappedCrossEntropySum(torch.autograd.Function):
-    """sum over tokens of cross_entropy(30·sigmoid(logits/7.5)), in fp32: F.cross_entropy's function, cheaper
-    (softcap_ce_forward: no max pass, no stored softcapped logits). Its backward returns the gradient in the logits'
-    dtype. Dynamo traces both methods into the compiled graphs."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
-        loss, lse = softcap_ce_forward(logits, targets)
-        ctx.save_for_backward(logits, targets, lse)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        logits, targets, lse = ctx.saved_tensors
-        return softcap_ce_grad(logits, lse, targets, grad).to(logits.dtype), None
-
-
-def softcapped_cross_entropy_sum(logits: Tensor, targets: Tensor) -> Tensor:
-    return SoftcappedCrossEntropySum.apply(logits, targets)
+# Evaluation runs the head over this many tokens at a time: a (262144, 50304) bf16 logits tensor would take 25 GiB.
+EVAL_HEAD_CHUNK = 32768
 
 
 class LMHead(nn.Module):
-    """Logits, softcap 30·sigmoid(logits/7.5) and cross-entropy: summed over tokens in training, the mean in eval.
-    Training uses the FP8 matmul when `fp8`, and with `fused` FP8LMHeadCrossEntropySum's Triton passes."""
+    """The loss of the final hidden states, summed over tokens: `loss_fn` (lm_head_loss or its fused twin) in
+    training, the plain bf16 lm_head_loss in evaluation."""
 
-    def __init__(self, dim: int, vocab_size: int, fp8: bool = False, fused: bool = True):
+    def __init__(self, dim: int, vocab_size: int, loss_fn=lm_head_loss, fp8: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.bfloat16))  # zero init: loss ln(V)
-        self.fp8, self.fused = fp8, fused
+        self.loss_fn, self.fp8 = loss_fn, fp8
 
     def forward(self, x: Tensor, targets: Tensor) -> Tensor:
-        if self.training and self.fp8:
-            if self.fused:
-                return fp8_lm_head_cross_entropy_sum(x, self.weight, targets)
-            return softcapped_cross_entropy_sum(lm_head_fp8(x, self.weight), targets)
-        logits = F.linear(x, self.weight)
         if self.training:
-            return softcapped_cross_entropy_sum(logits, targets)
-        logits = 30 * torch.sigmoid(logits / 7.5)
-        return F.cross_entropy(logits.float(), targets, reduction="mean")
+            return self.loss_fn(x, self.weight, targets, self.fp8)
+        return lm_head_loss(x, self.weight, targets, fp8=False)
 
 
-# =====================================================================================
-# Attention backends
+# Attention: the plain function and its fused twin
 # =====================================================================================
 
-# FlashAttention (Tri Dao et al.) over packed documents: q, k, v are (T, heads, head_dim), cu_seqlens marks the
-# document starts, and each query sees at most `window` earlier tokens of its own document.
-#
-# Every backend has the signature attn_fn(q, k, v, cu_seqlens, max_seqlen, params, which): `params` holds the
-# softmax scale and the windows of the step, `which` picks the short (0) or long (1) window. params is a CPU float64
-# tensor [[scale, short_window], [scale, long_window]] (tokens): the compiled graphs see it as data, so one graph
-# serves every window stage and every YaRN scale (with Python numbers each (window, scale) pair would be a new
-# graph: 4 train + 5 eval compilations instead of 1 + 1).
+# Causal attention over packed documents (FlashAttention, Tri Dao et al.): q, k, v are (T, heads, head_dim),
+# cu_seqlens marks the document starts, and each query sees itself and at most `window` earlier tokens of its own
+# document. `window_table` is a CPU float64 tensor [[scale, short_window], [scale, long_window]] (tokens) and
+# `window_row` picks its row: the compiled graphs see the table as data, so one graph serves every window stage and
+# every YaRN scale (Python numbers would make each pair a new graph: 4 train + 5 eval compilations instead of 1 + 1).
 
-def attention_scalars(params: Tensor, which: int) -> tuple:
-    """(scale, window) of the short (0) or long (1) window as Python numbers."""
-    scale, window = params[which].tolist()
+def scale_and_window(window_table: Tensor, window_row: int) -> tuple:
+    """(softmax scale, window in tokens) of the short (0) or long (1) window as Python numbers."""
+    scale, window = window_table[window_row].tolist()
     return float(scale), int(window)
 
 
-def attention_reference(q, k, v, cu_seqlens, max_seqlen, params, which):
-    """Plain PyTorch: per document, causal, each query sees itself and at most `window` earlier tokens."""
-    scale, window = attention_scalars(params, which)
+def attention_reference(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
+    """Attention in plain PyTorch ops, one document at a time (the CPU's; it cannot be compiled)."""
+    scale, window = scale_and_window(window_table, window_row)
     out = torch.zeros_like(q)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -742,9 +736,9 @@ def attention_reference(q, k, v, cu_seqlens, max_seqlen, params, which):
 # custom op, so that the window and the scale are read from a CPU tensor when the op runs instead of being baked
 # into the graph. Window (w, 0) = causal, at most w earlier tokens of the same document.
 @torch.library.custom_op("speedrun::flash_varlen", mutates_args=())
-def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
-                 which: int) -> tuple[Tensor, Tensor, Tensor]:
-    scale, window = attention_scalars(params, which)
+def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
+                 window_row: int) -> tuple[Tensor, Tensor, Tensor]:
+    scale, window = scale_and_window(window_table, window_row)
     out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False,
         scale=scale, window_size_left=window, window_size_right=0)
@@ -753,16 +747,16 @@ def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen
 
 
 @flash_varlen.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, params, which):
+def _(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
     return (torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32),
             q.new_empty((2,), dtype=torch.uint64))
 
 
 @torch.library.custom_op("speedrun::flash_varlen_backward", mutates_args=())
 def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          rng_state: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
-                          which: int) -> tuple[Tensor, Tensor, Tensor]:
-    scale, window = attention_scalars(params, which)
+                          rng_state: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
+                          window_row: int) -> tuple[Tensor, Tensor, Tensor]:
+    scale, window = scale_and_window(window_table, window_row)
     unused = torch.empty(0, device=q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, rng_state, unused,
@@ -771,33 +765,63 @@ def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
 
 
 @flash_varlen_backward.register_fake
-def _(grad_out, q, k, v, out, lse, rng_state, cu_seqlens, max_seqlen, params, which):
+def _(grad_out, q, k, v, out, lse, rng_state, cu_seqlens, max_seqlen, window_table, window_row):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _flash_varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, params, which = inputs
-    ctx.save_for_backward(q, k, v, cu_seqlens, params, *output)
-    ctx.max_seqlen, ctx.which = max_seqlen, which
+    q, k, v, cu_seqlens, max_seqlen, window_table, window_row = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens, window_table, *output)
+    ctx.max_seqlen, ctx.window_row = max_seqlen, window_row
 
 
 def _flash_varlen_backward_rule(ctx, grad_out, *_):
-    q, k, v, cu_seqlens, params, out, lse, rng_state = ctx.saved_tensors
+    q, k, v, cu_seqlens, window_table, out, lse, rng_state = ctx.saved_tensors
     dq, dk, dv = torch.ops.speedrun.flash_varlen_backward(grad_out.contiguous(), q, k, v, out, lse, rng_state,
-                                                          cu_seqlens, ctx.max_seqlen, params, ctx.which)
+                                                          cu_seqlens, ctx.max_seqlen, window_table, ctx.window_row)
     return dq, dk, dv, None, None, None, None
 
 
 flash_varlen.register_autograd(_flash_varlen_backward_rule, setup_context=_flash_varlen_setup_context)
 
 
-def attention_varlen(q, k, v, cu_seqlens, max_seqlen, params, which):
-    return torch.ops.speedrun.flash_varlen(q, k, v, cu_seqlens, max_seqlen, params, which)[0]
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
+    return torch.ops.speedrun.flash_varlen(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)[0]
 
 
-# FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels), called from
-# the fa4_qkv op below: window and scale are runtime arguments of its kernels (only whether a window exists is in
-# its compile key), so one compiled kernel pair serves every stage. Imported on request.
+def flash_attention(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
+    """PyTorch's FlashAttention-2 kernels on a GPU (the closest to the record's FA3), the reference elsewhere."""
+    attend = attention_varlen if q.is_cuda else attention_reference
+    return attend(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)
+
+
+def norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary position embedding of x (T, heads, head_dim) from the tables cos, sin (>= T, head_dim / 2): each pair
+    (x1, x2) of the two halves turns by its token's angle."""
+    cos, sin = cos[:x.size(0), None, :], sin[:x.size(0), None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def attention(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+              window_table: Tensor, window_row: int) -> Tensor:
+    """The plain attention from the raw projections qkv (T, 3·heads, head_dim): RMS norm and rotary on q and k, the
+    value embedding ve (T, heads, head_dim) added to v, FlashAttention. Returns (T, heads, head_dim)."""
+    q, k, v = qkv.chunk(3, dim=1)
+    q, k = rotary(norm(q), cos, sin), rotary(norm(k), cos, sin)
+    if ve is not None:
+        v = v + ve
+    return flash_attention(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)
+
+
+# --- the fused twin of `attention`: FlashAttention-4 with the q/k norm and rotary in one Triton pass -------------
+# FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels): window and
+# scale are runtime arguments of its kernels (only whether a window exists is in its compile key), so one compiled
+# kernel pair serves every stage. Imported on first use.
 
 def fa4_interface():
     """flash_attn.cute.interface (PyPI flash-attn-4), imported on first use (Python keeps the module)."""
@@ -808,24 +832,25 @@ def fa4_interface():
     return fa4
 
 
-def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, params, which: int) -> tuple[Tensor, Tensor]:
-    scale, window = attention_scalars(params, which)
+def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, window_table, window_row: int) -> tuple[Tensor, Tensor]:
+    scale, window = scale_and_window(window_table, window_row)
     out, lse, *_ = fa4_interface()._flash_attn_fwd(
         q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
         softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0, return_lse=True)
     return out, lse
 
 
-def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, params, which: int, dq, dk, dv) -> None:
+def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, window_table, window_row: int,
+                 dq, dk, dv) -> None:
     """Writes the gradients into dq, dk, dv (views of the caller's gradient buffers)."""
-    scale, window = attention_scalars(params, which)
+    scale, window = scale_and_window(window_table, window_row)
     fa4_interface()._flash_attn_bwd(
         q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
         dq=dq, dk=dk, dv=dv)
 
 
-# q/k RMS norm and rotary in one Triton pass, inside the FlashAttention-4 op (fa4 backend, Triton). Inductor fuses
+# q/k RMS norm and rotary in one Triton pass, inside the FlashAttention-4 op. Inductor fuses
 # the same chain, but as a two-loop reduction that parks the rotated rows in fp32 scratch, and its backward then
 # copies dv into the qkv gradient in one more pass. Here the forward reads each raw q/k head row once and writes
 # it normalised and rotated; the backward lets FlashAttention-4 write dv straight into its slot of the qkv
@@ -895,23 +920,8 @@ if triton is not None:
 QK_NORM_ROPE_ROWS = 32  # head rows per program: 32 x 128 elements in flight each way
 
 
-def qk_norm_rope_reference(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """What the model computes without the fused pass: rotate(norm(x)) for the q and k heads of qkv (T, 3H, D),
-    in qkv's dtype, and the RMS norm's 1/rms per row (T, 2H) in fp32 or wider (the CPU path)."""
-    T, heads3, D = qkv.shape
-    compute = torch.promote_types(qkv.dtype, torch.float32)
-    x = qkv[:, :2 * heads3 // 3].to(compute)
-    rstd = torch.rsqrt(x.square().mean(-1) + torch.finfo(torch.float32).eps)
-    x = x * rstd[..., None]
-    c, s = cos[:T, None, :].to(compute), sin[:T, None, :].to(compute)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * c + x2 * s, x2 * c - x1 * s], dim=-1).to(qkv.dtype), rstd
-
-
 def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """(rotated, normalised q and k heads (T, 2H, D) in qkv's dtype, 1/rms per row (T, 2H) fp32) of qkv (T, 3H, D)."""
-    if not _kernels_usable(qkv):
-        return qk_norm_rope_reference(qkv, cos, sin)
     T, heads3, D = qkv.shape
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and cos.size(1) == D // 2
     heads2 = 2 * heads3 // 3
@@ -932,8 +942,6 @@ def add_value_embedding(qkv: Tensor, ve: Tensor) -> Tensor:
     computes every element's address; this pass reads whole rows (same bf16 rounding: fp32 sum, one rounding)."""
     T, heads3, D = qkv.shape
     heads = heads3 // 3
-    if not _kernels_usable(qkv):
-        return qkv[:, 2 * heads:] + ve
     assert qkv.is_contiguous() and ve.is_contiguous() and ve.shape == (T, heads, D)
     v = torch.empty_like(ve)
     width = heads * D
@@ -948,15 +956,6 @@ def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, 
     d_qkv[:, :2H] (d_qkv has qkv's layout; its v heads are left alone)."""
     T, heads3, D = qkv.shape
     heads2 = 2 * heads3 // 3
-    if not _kernels_usable(qkv):  # the same formula in PyTorch (custom op bodies run without autograd)
-        compute = torch.promote_types(qkv.dtype, torch.float32)
-        c, s = cos[:T, None, :].to(compute), sin[:T, None, :].to(compute)
-        g1, g2 = d_qk.to(compute).chunk(2, dim=-1)
-        g = torch.cat([g1 * c - g2 * s, g1 * s + g2 * c], dim=-1)  # through the rotation (its transpose)
-        r = rstd[..., None].to(compute)
-        x = qkv[:, :heads2].to(compute) * r
-        d_qkv[:, :heads2] = ((g - x * (x * g).mean(-1, keepdim=True)) * r).to(d_qkv.dtype)
-        return
     assert d_qk.is_contiguous() and d_qkv.is_contiguous() and qkv.is_contiguous()
     rows = T * heads2
     _qk_norm_rope_backward_kernel[(triton.cdiv(rows, QK_NORM_ROPE_ROWS),)](
@@ -966,19 +965,19 @@ def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, 
 
 @torch.library.custom_op("speedrun::fa4_qkv", mutates_args=())
 def fa4_qkv(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-            params: Tensor, which: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            window_table: Tensor, window_row: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Attention from the raw projections qkv (T, 3H, D): q/k norm + rotary (one Triton pass), v (+ the value
     embedding ve), FlashAttention-4. Returns (out, lse, and for the backward: the rotated q|k, the v that attention
     read when ve is given (else an empty tensor: v is then a view of qkv), the norm's 1/rms)."""
     heads = qkv.size(1) // 3
     qk, rstd = qk_norm_rope(qkv, cos, sin)
     v = qkv[:, 2 * heads:] if ve is None else add_value_embedding(qkv, ve)
-    out, lse = fa4_forward(qk[:, :heads], qk[:, heads:], v, cu_seqlens, max_seqlen, params, which)
+    out, lse = fa4_forward(qk[:, :heads], qk[:, heads:], v, cu_seqlens, max_seqlen, window_table, window_row)
     return out, lse, qk, (v if ve is not None else qkv.new_empty(0)), rstd
 
 
 @fa4_qkv.register_fake
-def _(qkv, ve, cos, sin, cu_seqlens, max_seqlen, params, which):
+def _(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
     T, heads3, D = qkv.shape
     heads = heads3 // 3
     return (qkv.new_empty((T, heads, D)), qkv.new_empty((heads, T), dtype=torch.float32),
@@ -988,35 +987,35 @@ def _(qkv, ve, cos, sin, cu_seqlens, max_seqlen, params, which):
 
 @torch.library.custom_op("speedrun::fa4_qkv_backward", mutates_args=())
 def fa4_qkv_backward(grad_out: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, out: Tensor, lse: Tensor, qk: Tensor,
-                     v_used: Tensor, rstd: Tensor, cu_seqlens: Tensor, max_seqlen: int, params: Tensor,
-                     which: int) -> Tensor:
+                     v_used: Tensor, rstd: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
+                     window_row: int) -> Tensor:
     """The gradient of qkv, written in place by FlashAttention-4's backward (dv) and the norm + rotary backward."""
     heads = qkv.size(1) // 3
     v = v_used if v_used.numel() else qkv[:, 2 * heads:]
     d_qkv = torch.empty_like(qkv)
     d_qk = torch.empty_like(qk)
-    fa4_backward(grad_out, qk[:, :heads], qk[:, heads:], v, out, lse, cu_seqlens, max_seqlen, params, which,
+    fa4_backward(grad_out, qk[:, :heads], qk[:, heads:], v, out, lse, cu_seqlens, max_seqlen, window_table, window_row,
                  dq=d_qk[:, :heads], dk=d_qk[:, heads:], dv=d_qkv[:, 2 * heads:])
     qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv)
     return d_qkv
 
 
 @fa4_qkv_backward.register_fake
-def _(grad_out, qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, max_seqlen, params, which):
+def _(grad_out, qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, max_seqlen, window_table, window_row):
     return torch.empty_like(qkv)
 
 
 def _fa4_qkv_setup_context(ctx, inputs, output):
-    qkv, ve, cos, sin, cu_seqlens, max_seqlen, params, which = inputs
+    qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row = inputs
     out, lse, qk, v_used, rstd = output
-    ctx.save_for_backward(qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, params)
-    ctx.max_seqlen, ctx.which, ctx.has_ve = max_seqlen, which, ve is not None
+    ctx.save_for_backward(qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, window_table)
+    ctx.max_seqlen, ctx.window_row, ctx.has_ve = max_seqlen, window_row, ve is not None
 
 
 def _fa4_qkv_backward(ctx, grad_out, *_):
-    qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, params = ctx.saved_tensors
+    qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, window_table = ctx.saved_tensors
     d_qkv = torch.ops.speedrun.fa4_qkv_backward(grad_out.contiguous(), qkv, cos, sin, out, lse, qk, v_used, rstd,
-                                                cu_seqlens, ctx.max_seqlen, params, ctx.which)
+                                                cu_seqlens, ctx.max_seqlen, window_table, ctx.window_row)
     d_ve = d_qkv[:, 2 * (qkv.size(1) // 3):] if ctx.has_ve else None  # v = qkv's v heads + ve: the same gradient
     return d_qkv, d_ve, None, None, None, None, None, None
 
@@ -1024,23 +1023,8 @@ def _fa4_qkv_backward(ctx, grad_out, *_):
 fa4_qkv.register_autograd(_fa4_qkv_backward, setup_context=_fa4_qkv_setup_context)
 
 
-def attention_fa4_qkv(qkv, ve, yarn, cu_seqlens, max_seqlen, params, which):
-    """The FA4 backend from the raw projections qkv (T, 3H, D), with q/k norm + rotary fused (fa4_qkv)."""
-    return torch.ops.speedrun.fa4_qkv(qkv, ve, yarn.cos, yarn.sin, cu_seqlens, max_seqlen, params, which)[0]
-
-
-# Backends that attend from rotated q, k and v; fa4 attends from the raw projections (attention_fa4_qkv).
-ATTENTION_BACKENDS = {"varlen": attention_varlen, "reference": attention_reference}
-
-
-def varlen_available() -> bool:
-    """PyTorch's FlashAttention-2 varlen kernels with sliding windows (torch >= 2.10, CUDA build)."""
-    try:
-        from torch.nn.attention import varlen  # varlen.varlen_attn: the public API of the same kernels
-        return (hasattr(varlen, "varlen_attn") and hasattr(torch.ops.aten, "_flash_attention_forward")
-                and torch.backends.cuda.is_built())
-    except Exception:
-        return False
+def fused_attention(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
+    return torch.ops.speedrun.fa4_qkv(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row)[0]
 
 
 def fa4_on_this_gpu():
@@ -1049,30 +1033,7 @@ def fa4_on_this_gpu():
     return fa4_interface()
 
 
-def resolve_attention_backend(requested: str, device_type: str) -> str:
-    """auto: FlashAttention-4 from PyPI when installed on a Hopper or Blackwell GPU, then PyTorch's FA2 varlen
-    kernels, then the reference. An explicit request that cannot work is an error."""
-    if device_type != "cuda":
-        if requested not in ("auto", "reference"):
-            raise ConfigError(f"--attn-backend {requested} needs a CUDA GPU; use --attn-backend reference on the CPU")
-        return "reference"
-    if requested in ("auto", "fa4"):
-        try:
-            fa4_on_this_gpu()
-            return "fa4"
-        except Exception as e:
-            if requested == "fa4":
-                raise ConfigError(f"--attn-backend fa4 unavailable ({type(e).__name__}: {e}); pip install "
-                                  "flash-attn-4 (Hopper or Blackwell) or use --attn-backend varlen") from None
-    if requested in ("auto", "varlen"):
-        if varlen_available():
-            return "varlen"
-        if requested == "varlen":
-            raise ConfigError("--attn-backend varlen needs torch.nn.attention.varlen (torch >= 2.10, CUDA build); "
-                              f"this is torch {torch.__version__}")
-    return "reference"
-
-
+# =====================================================================================
 # =====================================================================================
 # Orthogonalizers: Polar Express and Turbo-Muon
 # =====================================================================================
@@ -1101,8 +1062,10 @@ POLAR_EXPRESS_COEFFS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
-# Turbo-Muon drops the first tuple: AOL preconditioning does its job; 4 iterations in all.
-TURBO_MUON_COEFFS = POLAR_EXPRESS_COEFFS[1:]
+# Turbo-Muon's coefficients are derived here, from Polar Express's: AOL preconditioning does the work of the first
+# iteration, so Turbo-Muon runs the remaining ones. Editing POLAR_EXPRESS_COEFFS changes both; --help counts both.
+TURBO_SKIPPED_ITERATIONS = 1
+TURBO_MUON_COEFFS = POLAR_EXPRESS_COEFFS[TURBO_SKIPPED_ITERATIONS:]
 POLAR_NORM_SAFETY = 1.02     # X / (‖X‖_F·1.02 + 1e-6): spectral norm < 1 with a 2 % margin
 POLAR_NORM_EPS = 1e-6
 TURBO_AOL_SAFETY = 1.02      # s = rsqrt(rowsum|XXᵀ|·1.02 + 1e-6), the 2 % margin kept
@@ -1119,13 +1082,16 @@ def _pow2_at_least(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def kernel_config(kind: str, n: int, m: int, k: int, dtype, tiles: dict = None) -> dict:
+# Tile overrides, {kind: {...}} or {(kind, m, k): {...}}, for tile sweeps and tests (symmetric kernels keep BLOCK_N
+# equal to BLOCK_M); empty in training.
+ORTHOGONALIZER_TILES = {}
+
+
+def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
     """dict(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for kind xxt ((n, m, k) -> (n, m, m)), ba_plus_cAA
-    ((n, m, m) -> (n, m, m)) or ax_plus_bx ((n, m, m) x (n, m, k) -> (n, m, k)). A sweep on the trainer's shapes on
-    Hopper found 128x128 tiles, BLOCK_K 64, 8 warps best or close for all three (64x64 slower even where 128-tiles
-    left SMs idle), with 4 stages (3 for ax_plus_bx); smaller matrices get the smallest tile that covers them, and
-    stages shrink to fit _SMEM_BUDGET. tiles={kind: {...}} or {(kind, m, k): {...}} overrides (tests, benchmarks);
-    symmetric kernels keep BLOCK_N == BLOCK_M."""
+    ((n, m, m) -> (n, m, m)) or ax_plus_bx ((n, m, m) x (n, m, k) -> (n, m, k)): 128x128 tiles, BLOCK_K 64, 8 warps
+    and 4 stages (3 for ax_plus_bx) for the trainer's matrices, the smallest tile that covers a smaller one, and
+    fewer stages where they would not fit _SMEM_BUDGET; ORTHOGONALIZER_TILES overrides."""
     elsize = torch.empty((), dtype=dtype).element_size()
     sym = kind in ("xxt", "ba_plus_cAA")
     if kind == "ba_plus_cAA":
@@ -1144,9 +1110,8 @@ def kernel_config(kind: str, n: int, m: int, k: int, dtype, tiles: dict = None) 
     while stages > 1 and stages * (bm + bn) * bk * elsize > _SMEM_BUDGET:
         stages -= 1
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    tiles = tiles or {}
-    cfg.update(tiles.get(kind, {}))
-    cfg.update(tiles.get((kind, m, k), {}))
+    cfg.update(ORTHOGONALIZER_TILES.get(kind, {}))
+    cfg.update(ORTHOGONALIZER_TILES.get((kind, m, k), {}))
     if sym:
         cfg["BLOCK_N"] = cfg["BLOCK_M"]
     return cfg
@@ -1253,29 +1218,28 @@ def _as_batched(t: Tensor) -> Tensor:
     return t if t.dim() == 3 else t.unsqueeze(0)
 
 
-def xxt(X: Tensor, out: Tensor = None, tiles: dict = None) -> Tensor:
+def xxt(X: Tensor, out: Tensor = None) -> Tensor:
     """out = X Xᵀ for X (m, k) or (n, m, k) -> (m, m) / (n, m, m), in X's dtype (fp32 accumulation)."""
     if out is None:
         out = X.new_empty(*X.shape[:-1], X.size(-2))
     if not _kernels_usable(X):
         return torch.matmul(X, X.mT, out=out)
-    return _launch_sym_gram("xxt", X, out, 1.0, 0.0, add_x=False, tiles=tiles)
+    return _launch_sym_gram("xxt", X, out, 1.0, 0.0, add_x=False)
 
 
-def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None, tiles: dict = None) -> Tensor:
+def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None) -> Tensor:
     """out = b·A + c·A·A for symmetric A (m, m) or (n, m, m) (symmetry is assumed, not checked)."""
     if out is None:
         out = torch.empty_like(A)
     if not _kernels_usable(A):
         return torch.add(torch.mul(A, b), torch.matmul(A, A), alpha=c, out=out)
-    return _launch_sym_gram("ba_plus_cAA", A, out, float(c), float(b), add_x=True, tiles=tiles)
+    return _launch_sym_gram("ba_plus_cAA", A, out, float(c), float(b), add_x=True)
 
 
-def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: float, add_x: bool,
-                     tiles: dict = None) -> Tensor:
+def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: float, add_x: bool) -> Tensor:
     X3, C3 = _as_batched(X), _as_batched(out)
     n, m, k = X3.shape
-    cfg = kernel_config(kind, n, m, k, X.dtype, tiles)
+    cfg = kernel_config(kind, n, m, k, X.dtype)
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     t = triton.cdiv(m, bm)
     _sym_gram_kernel[(t * t, n)](
@@ -1285,7 +1249,7 @@ def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: floa
     return out
 
 
-def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None, tiles: dict = None) -> Tensor:
+def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None) -> Tensor:
     """out = a·X + B X for X (m, k) / (n, m, k) and B (m, m) / (n or 1, m, m); out must not alias X."""
     if out is None:
         out = torch.empty_like(X)
@@ -1296,7 +1260,7 @@ def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None, tiles: dict =
     X3, C3 = _as_batched(X), _as_batched(out)
     B3 = _as_batched(B)
     n, m, k = X3.shape
-    cfg = kernel_config("ax_plus_bx", n, m, k, X.dtype, tiles)
+    cfg = kernel_config("ax_plus_bx", n, m, k, X.dtype)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     s_bb = 0 if B3.size(0) == 1 else B3.stride(0)
     _ax_plus_bx_kernel[(triton.cdiv(m, bm) * triton.cdiv(k, bn), n)](
@@ -1453,26 +1417,35 @@ def normuon_reduce_dim(label: str, shape) -> int:
     return -2
 
 
-def normuon_groups(params, world_size: int) -> list:
-    """[(name, params)]: the record's 8-GPU sizing [1, 10, 16, 16], or one group per (label, shape, dtype)."""
+def normuon_groups(params, world_size: int) -> tuple[list, str]:
+    """([(name, params)], note): the record's 8-GPU sizing [1, 10, 16, 16] where the matrices are the record's, else
+    one group per (label, shape, dtype); the note, for the log, says how a model unlike the record's is grouped."""
     labels = [getattr(p, "label", None) for p in params]
-    if world_size == 8 and collections.Counter(labels) == NORMUON_RECORD_COUNTS:
+    counts = collections.Counter(labels)
+    if world_size == 8 and counts == NORMUON_RECORD_COUNTS:
         ordered = sorted(params, key=lambda p: NORMUON_LABEL_ORDER.index(p.label))  # stable
         groups, start = [], 0
         for name, size in zip(("smear_gate", "attn_gate", "attn+mlp", "mlp"), NORMUON_RECORD_GROUP_SIZES):
             groups.append((name, ordered[start:start + size]))
             start += size
-        return groups
+        return groups, ""
     keyed = {}
     for p, lab in zip(params, labels):
         keyed.setdefault((lab, tuple(p.shape), p.dtype), []).append(p)
-    names = [lab if lab is not None else "unlabeled" for (lab, _, _) in keyed]
-    out = []
+    names = [str(lab) for (lab, _, _) in keyed]
+    groups = []
     for (key, ps), name in zip(keyed.items(), names):
         if names.count(name) > 1:  # same label with several shapes/dtypes: disambiguate the name
             name = f"{name}:{'x'.join(map(str, key[1]))}:{str(key[2]).replace('torch.', '')}"
-        out.append((name, ps))
-    return out
+        groups.append((name, ps))
+    note = ""
+    if counts != NORMUON_RECORD_COUNTS:
+        shown = lambda c: ", ".join(f"{k} {c[k]}" for k in sorted(c, key=str))
+        note = (f"NorMuon: the matrices differ from the record's ({shown(counts)} here, {shown(NORMUON_RECORD_COUNTS)} "
+                f"there), so they are grouped by label and shape"
+                f"{' instead of the record sizing ' + str(NORMUON_RECORD_GROUP_SIZES) if world_size == 8 else ''}: "
+                + ", ".join(f"{name} ({len(ps)})" for name, ps in groups))
+    return groups, note
 
 
 class NorMuon(torch.optim.Optimizer):
@@ -1499,7 +1472,8 @@ class NorMuon(torch.optim.Optimizer):
         self.world_size, self.rank = _dist_world()
         self.turbo = orthogonalizer == "turbo"
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2)
-        groups = [dict(params=ps, label=name) for name, ps in normuon_groups(params, self.world_size)]
+        grouped, self.grouping_note = normuon_groups(params, self.world_size)
+        groups = [dict(params=ps, label=name) for name, ps in grouped]
         super().__init__(groups, defaults)
         self._orthogonalize_fn = polar_express
         self._second_moment_fn = normuon_second_moment
@@ -1735,19 +1709,15 @@ class DistAdam(torch.optim.Optimizer):
 # Model
 # =====================================================================================
 
-def norm(x: Tensor) -> Tensor:
-    return F.rms_norm(x, (x.size(-1),))
-
-
-def tag(p: nn.Parameter, label: str, lr_mul: float = 1.0) -> nn.Parameter:
-    """Attach the optimizer metadata (grouping label, per-parameter lr multiplier)."""
+def set_optimizer_label(p: nn.Parameter, label: str, lr_mul: float = 1.0) -> nn.Parameter:
+    """Which optimizer group p joins (NORMUON_LABEL_ORDER, DISTADAM_LABEL_ORDER) and its learning-rate multiplier."""
     p.label, p.lr_mul = label, lr_mul
     return p
 
 
 class Yarn(nn.Module):
-    """Half-truncated rotary embedding whose low frequencies are stretched (YaRN, Bowen Peng et al.) when the
-    attention window grows."""
+    """The rotary tables (cos, sin) of the half-truncated rotary embedding, whose low frequencies are stretched (YaRN,
+    Bowen Peng et al.) when the attention window grows."""
 
     def __init__(self, head_dim: int, max_seq_len: int):
         super().__init__()
@@ -1786,21 +1756,100 @@ class Yarn(nn.Module):
         self.window = new_window  # what set_window compares against, also after a direct call
         self._write_tables()
 
-    def rotate(self, x: Tensor) -> Tensor:  # x: (T, heads, head_dim)
-        cos, sin = self.cos[:x.size(0), None, :], self.sin[:x.size(0), None, :]
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+# --- the plain MLP and attention output, and their fused twins (quack-kernels GEMMs, Tri Dao et al.) -----------
+
+def mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
+    """The ReLU² MLP: relu(x w_fcᵀ)² w_proj, with w_fc and w_proj both stored (4d, d)."""
+    return F.relu(F.linear(x, w_fc)).square() @ w_proj
 
 
-# The attention's output projection and the residual stream's addition, residual + y Woᵀ. Inductor turns the pair
-# into an addmm, and for an addmm ATen first copies the residual into the output tensor, then has cuBLAS read it
-# back as the GEMM's C. quack's gemm_add (Tri Dao et al.) reads the residual in its epilogue instead.
+def attention_output(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    """The attention's output projection added to the residual stream: residual + y wᵀ."""
+    return residual + F.linear(y, w)
 
+
+@functools.cache
+def quack_gemm():
+    """quack.gemm_interface (PyPI quack-kernels), imported on first use."""
+    import quack.gemm_interface as gemm_interface
+    return gemm_interface
+
+
+# quack's untuned Hopper default clusters two CTAs along M; the same 128x192 pingpong tile clustered along N is faster
+# for both fused MLP GEMMs on the trainer's shapes and bit-identical (same tile, same K order). Pinned, because
+# autotuning at start-up costs minutes of compiles. Other GPUs keep quack's default.
+QUACK_MLP_CONFIG_SM90 = dict(tile_m=128, tile_n=192, cluster_m=1, cluster_n=2, pingpong=True,
+                             is_dynamic_persistent=False)
+
+
+@functools.cache
+def quack_mlp_config(device_type: str, index: int | None):
+    """quack's GemmConfig for the MLP's fused GEMMs on this device, or None for quack's own default."""
+    if device_type != "cuda" or torch.cuda.get_device_capability(index)[0] != 9:
+        return None
+    from quack.gemm_config import GemmConfig
+    return GemmConfig(**QUACK_MLP_CONFIG_SM90, device_capacity=9)
+
+
+def quack_on_this_gpu():
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        raise RuntimeError("its GEMM kernels need compute capability 9.x or 10.x (Hopper, Blackwell)")
+    return quack_gemm()
+
+
+# mlp's twin: the activation rides in the GEMM epilogues. The forward GEMM writes the pre-activation and ReLU² in
+# one pass; the backward's first GEMM multiplies by the derivative and recomputes ReLU² for the weight gradient in
+# the same pass (Inductor's version runs each as a separate pass over the (T, 4d) activation). The weight-gradient
+# GEMMs stay on cuBLAS.
+@torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
+def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
+    """(mlp(x, w_fc, w_proj), the pre-activation x w_fcᵀ) for x (T, d) and w_fc, w_proj (4d, d), all bf16."""
+    pre, h = quack_gemm().gemm_act(x, w_fc.mT, activation="relu_sq", tuned=False,
+                                   config=quack_mlp_config(x.device.type, x.device.index))
+    return h @ w_proj, pre
+
+
+@relu2_mlp.register_fake
+def _(x, w_fc, w_proj):
+    return x.new_empty(x.size(0), w_proj.size(1)), x.new_empty(x.size(0), w_fc.size(0))
+
+
+@torch.library.custom_op("speedrun::relu2_mlp_backward", mutates_args=())
+def relu2_mlp_backward(grad: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor,
+                       pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw_fc, dw_proj). One fused GEMM gives d(pre) = (grad w_projᵀ)·2relu(pre) and h = relu(pre)²."""
+    grad = grad.contiguous()
+    dpre, h = quack_gemm().gemm_dact(grad, w_proj.mT, pre, activation="relu_sq", tuned=False,
+                                     config=quack_mlp_config(grad.device.type, grad.device.index))
+    return dpre @ w_fc, dpre.mT @ x, h.mT @ grad
+
+
+@relu2_mlp_backward.register_fake
+def _(grad, x, w_fc, w_proj, pre):
+    return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
+
+
+def _relu2_mlp_setup_context(ctx, inputs, output):
+    x, w_fc, w_proj = inputs
+    ctx.save_for_backward(x, w_fc, w_proj, output[1])
+
+
+def _relu2_mlp_backward_rule(ctx, grad_out, _grad_pre):
+    return torch.ops.speedrun.relu2_mlp_backward(grad_out, *ctx.saved_tensors)
+
+
+relu2_mlp.register_autograd(_relu2_mlp_backward_rule, setup_context=_relu2_mlp_setup_context)
+
+
+def fused_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
+    return torch.ops.speedrun.relu2_mlp(x, w_fc, w_proj)[0]
+
+
+# attention_output's twin: Inductor turns it into an addmm, for which ATen first copies the residual into the output
+# and has cuBLAS read it back; quack's gemm_add reads the residual in its epilogue instead.
 @torch.library.custom_op("speedrun::residual_linear", mutates_args=())
 def residual_linear(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
-    """residual + y wᵀ for residual, y (T, d) and w (d_out, d), bf16: one quack GEMM on a GPU."""
-    if not y.is_cuda:
-        return torch.addmm(residual, y, w.t())
     return quack_gemm().gemm_add(y, w.mT, residual, tuned=False)
 
 
@@ -1822,12 +1871,99 @@ def _residual_linear_backward(ctx, grad):
 residual_linear.register_autograd(_residual_linear_backward, setup_context=_residual_linear_setup_context)
 
 
+def fused_attention_output(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    return torch.ops.speedrun.residual_linear(residual, y, w)
+
+
+# --- which function the model calls: the plain one, or its fused twin ---------------------------------------------
+# A speedrunner edits the plain functions. Each fused kernel computes what its plain function computed when the
+# kernel was written, recorded as a fingerprint of that function's code (and of the plain helpers it follows): an
+# edit changes the fingerprint, and the fused kernel then refuses to run instead of silently ignoring the edit.
+# Constants the kernels take as arguments (SOFTCAP, SOFTCAP_WIDTH, the Yarn tables) may change freely.
+
+def code_fingerprint(*functions) -> str:
+    """A short hash of the functions' code without docstrings and comments (ast.unparse normalises the layout)."""
+    parts = []
+    for fn in functions:
+        tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(fn)))
+        body = tree.body[0].body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            tree.body[0].body = body[1:] or [ast.Pass()]
+        parts.append(ast.unparse(tree))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def needs_cuda_triton(fp8: bool = True):
+    if triton is None or not torch.cuda.is_available():
+        raise RuntimeError("its Triton kernels need a CUDA GPU")
+    if not fp8:
+        raise RuntimeError("it is the FP8 head, and FP8 is off (--fp8)")
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    plain: object          # the function a speedrunner edits
+    fused: object          # its drop-in replacement
+    follows: tuple         # the plain functions whose code the fused kernel computes
+    fingerprint: str       # code_fingerprint(*follows) when the fused kernel was last checked against it
+    check_here: object     # check_here(fp8) raises where the fused kernel cannot run (no GPU, library missing)
+
+
+FUSED_KERNELS = {
+    "attention": FusedKernel(attention, fused_attention, (attention, rotary, norm), "76093bf9db96",
+                             lambda fp8: fa4_on_this_gpu()),
+    "mlp": FusedKernel(mlp, fused_mlp, (mlp,), "20ac2a6cca4e", lambda fp8: quack_on_this_gpu()),
+    "attention_output": FusedKernel(attention_output, fused_attention_output, (attention_output,), "996f8d18f3cd",
+                                    lambda fp8: quack_on_this_gpu()),
+    "lm_head_loss": FusedKernel(lm_head_loss, fused_lm_head_loss, (lm_head_loss, softcap), "f08ea5308c01",
+                                needs_cuda_triton),
+}
+
+
+def parse_kernels(text: str) -> set | None:
+    """The fused kernels --kernels asks for (fused: all, plain: none), or None where it names something else."""
+    if text in ("fused", "plain"):
+        return set(FUSED_KERNELS) if text == "fused" else set()
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    return names if names and names <= set(FUSED_KERNELS) else None
+
+
+def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]:
+    """({name: function the model calls}, notes for the log). `--kernels fused` takes each fused kernel that runs
+    here and says which ones do not; a kernel named in a list must run. A fused kernel whose plain function was
+    edited is an error either way: it would silently compute the old function."""
+    explicit = requested != "fused"
+    chosen, notes = {}, []
+    for name, kernel in FUSED_KERNELS.items():
+        chosen[name] = kernel.plain
+        if name not in parse_kernels(requested):
+            continue
+        if code_fingerprint(*kernel.follows) != kernel.fingerprint:
+            edited = ", ".join(fn.__name__ for fn in kernel.follows)
+            raise ConfigError(f"the fused {name} kernel computes {edited} as written when it was made, and that code "
+                              f"has changed: run with --kernels plain (or leave {name} out of --kernels), or update "
+                              f"the fused kernel and FUSED_KERNELS['{name}'].fingerprint")
+        try:
+            if device != "cuda":
+                raise RuntimeError("it needs a CUDA GPU")
+            kernel.check_here(fp8)
+        except Exception as e:
+            if explicit:
+                raise ConfigError(f"--kernels: the fused {name} kernel cannot run here ({type(e).__name__}: {e}); "
+                                  f"leave it out of --kernels or use --kernels plain") from None
+            if device == "cuda":
+                notes.append(f"kernels: plain {name} ({e})")
+            continue
+        chosen[name] = kernel.fused
+    return chosen, notes
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int, fused_residual: bool = False):
+    def __init__(self, dim: int, num_heads: int, head_dim: int):
         super().__init__()
         self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
         # One stacked fp32 matrix: rows [0, 3d) are Wq, Wk, Wv and rows [3d, 4d) are Wo, all (out, in).
-        self.qkvo_w = tag(nn.Parameter(torch.empty(4 * dim, dim)), "attn")
+        self.qkvo_w = set_optimizer_label(nn.Parameter(torch.empty(4 * dim, dim)), "attn")
         bound = math.sqrt(3) * 0.5 * dim ** -0.5
         with torch.no_grad():
             self.qkvo_w[:3 * dim].uniform_(-bound, bound)
@@ -1835,165 +1971,39 @@ class CausalSelfAttention(nn.Module):
         # Sparse gate: one sigmoid per head and token, read off the first 12 channels of the block input.
         self.attn_gate = nn.Linear(12, num_heads, bias=False)
         nn.init.zeros_(self.attn_gate.weight)
-        tag(self.attn_gate.weight, "attn_gate")
-        self.fused_residual = fused_residual  # the output projection and the residual addition by residual_linear
+        set_optimizer_label(self.attn_gate.weight, "attn_gate")
 
-    def forward(self, x, residual, ve, sa_lambdas, cu_seqlens, max_seqlen, attn_params, which, yarn, attn_fn,
-                qkv_attn_fn=None):
+    def forward(self, x, residual, ve, sa_lambdas, cu_seqlens, max_seqlen, window_table, window_row, yarn, kernels):
         """residual + attention(x): x is the normed block input, residual the block input."""
         T, d = x.shape
         w = self.qkvo_w.type_as(x)
         # sa_lambdas are folded into the weights (a 768x2304 multiply is cheaper than a T x 2304 one).
         qkv = F.linear(x, sa_lambdas[0] * w[:3 * d]).view(T, 3 * self.num_heads, self.head_dim)
-        if qkv_attn_fn is not None:  # the same norm, rotary and attention inside one op (fa4_qkv)
-            ve = None if ve is None else ve.view(T, self.num_heads, self.head_dim)
-            y = qkv_attn_fn(qkv, ve, yarn, cu_seqlens, max_seqlen, attn_params, which)
-        else:
-            q, k, v = qkv.view(T, 3, self.num_heads, self.head_dim).unbind(dim=1)
-            q, k = yarn.rotate(norm(q)), yarn.rotate(norm(k))
-            if ve is not None:
-                v = v + ve.view_as(v)
-            y = attn_fn(q, k, v, cu_seqlens, max_seqlen, attn_params, which)
+        ve = None if ve is None else ve.view(T, self.num_heads, self.head_dim)
+        y = kernels["attention"](qkv, ve, yarn.cos, yarn.sin, cu_seqlens, max_seqlen, window_table, window_row)
         y = y * torch.sigmoid(F.linear(x[:, :12], self.attn_gate.weight)).unsqueeze(-1)
-        w_out = sa_lambdas[1] * w[3 * d:]
-        if self.fused_residual:
-            return torch.ops.speedrun.residual_linear(residual, y.reshape(T, d), w_out)
-        return residual + F.linear(y.reshape(T, d), w_out)
-
-
-# The ReLU² MLP, out = relu(x w_fcᵀ)² w_proj, has two implementations. Inductor's: cuBLAS GEMMs with ReLU² (and
-# in the backward its derivative) as separate memory-bound passes over the (T, 4d) activation. quack's
-# (quack-kernels, Tri Dao et al., CuTe DSL): the activation rides in the GEMM epilogues, so the forward GEMM writes
-# the pre-activation and ReLU² in one pass and the backward's first GEMM multiplies by the derivative and
-# recomputes ReLU² for the weight gradient in the same pass. An opaque custom op to Inductor; the weight-gradient
-# GEMMs stay on cuBLAS.
-MLP_KERNELS = ("inductor", "quack")
-
-
-@functools.cache
-def quack_gemm():
-    """quack.gemm_interface (PyPI quack-kernels), imported on first use."""
-    import quack.gemm_interface as gemm_interface
-    return gemm_interface
-
-
-# quack's untuned Hopper default clusters two CTAs along M. The same 128x192 pingpong tile clustered along N instead
-# is faster for both fused GEMMs on the trainer's shapes and bit-identical (same tile, same K order); picked from
-# quack's own autotuning space (bench/quack_kernels_bench.py --sections configs) and pinned, because autotuning
-# at start-up costs minutes of compiles. Other GPUs keep quack's default.
-QUACK_MLP_CONFIG_SM90 = dict(tile_m=128, tile_n=192, cluster_m=1, cluster_n=2, pingpong=True,
-                             is_dynamic_persistent=False)
-
-
-@functools.cache
-def quack_mlp_config(device_type: str, index: int | None):
-    """quack's GemmConfig for the MLP's fused GEMMs on this device, or None for quack's own default."""
-    if device_type != "cuda" or torch.cuda.get_device_capability(index)[0] != 9:
-        return None
-    from quack.gemm_config import GemmConfig
-    return GemmConfig(**QUACK_MLP_CONFIG_SM90, device_capacity=9)
-
-
-def quack_on_this_gpu():
-    if torch.cuda.get_device_capability()[0] not in (9, 10):
-        raise RuntimeError("its GEMM kernels need compute capability 9.x or 10.x (Hopper, Blackwell)")
-    return quack_gemm()
-
-
-def quack_relu2(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    """(x w, relu(x w)²) for x (T, k) and w (k, n): one quack GEMM with ReLU² in its epilogue."""
-    return quack_gemm().gemm_act(x, w, activation="relu_sq", tuned=False,
-                                 config=quack_mlp_config(x.device.type, x.device.index))
-
-
-def quack_relu2_backward(grad: Tensor, w: Tensor, pre: Tensor) -> tuple[Tensor, Tensor]:
-    """((grad w)·2relu(pre), relu(pre)²): one quack GEMM that multiplies by ReLU²'s derivative in its epilogue and
-    recomputes ReLU² for the weight gradient."""
-    return quack_gemm().gemm_dact(grad, w, pre, activation="relu_sq", tuned=False,
-                                  config=quack_mlp_config(grad.device.type, grad.device.index))
-
-
-@torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
-def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
-    """(relu(x w_fcᵀ)² w_proj, the pre-activation x w_fcᵀ) for x (T, d) and w_fc, w_proj (4d, d), all bf16."""
-    pre, h = quack_relu2(x, w_fc.mT)
-    return h @ w_proj, pre
-
-
-@relu2_mlp.register_fake
-def _(x, w_fc, w_proj):
-    return x.new_empty(x.size(0), w_proj.size(1)), x.new_empty(x.size(0), w_fc.size(0))
-
-
-@torch.library.custom_op("speedrun::relu2_mlp_backward", mutates_args=())
-def relu2_mlp_backward(grad: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor,
-                       pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dw_fc, dw_proj). One fused GEMM gives d(pre) = (grad w_projᵀ)·2relu(pre) and h = relu(pre)²."""
-    grad = grad.contiguous()
-    dpre, h = quack_relu2_backward(grad, w_proj.mT, pre)
-    return dpre @ w_fc, dpre.mT @ x, h.mT @ grad
-
-
-@relu2_mlp_backward.register_fake
-def _(grad, x, w_fc, w_proj, pre):
-    return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
-
-
-def _relu2_mlp_setup_context(ctx, inputs, output):
-    x, w_fc, w_proj = inputs
-    ctx.save_for_backward(x, w_fc, w_proj, output[1])
-
-
-def _relu2_mlp_backward_rule(ctx, grad_out, _grad_pre):
-    return torch.ops.speedrun.relu2_mlp_backward(grad_out, *ctx.saved_tensors)
-
-
-relu2_mlp.register_autograd(_relu2_mlp_backward_rule, setup_context=_relu2_mlp_setup_context)
-
-
-def resolve_mlp_kernel(requested: str, device_type: str) -> str:
-    """auto: quack when it imports on a Hopper or Blackwell GPU (faster than Inductor's wherever the GPU is the
-    limit; stage 1 is bound by the host with either, bench/RESULTS.md), Inductor's otherwise. An explicit quack
-    request that cannot work is an error."""
-    if requested == "inductor":
-        return "inductor"
-    try:
-        if device_type != "cuda":
-            raise RuntimeError("it needs a CUDA GPU")
-        quack_on_this_gpu()
-        return "quack"
-    except Exception as e:
-        if requested == "auto":
-            return "inductor"
-        raise ConfigError(f"--mlp-kernel quack unavailable ({type(e).__name__}: {e}); pip install "
-                          "quack-kernels (Hopper or Blackwell) or use --mlp-kernel inductor") from None
+        return kernels["attention_output"](residual, y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, kernel: str = "inductor"):
+    def __init__(self, dim: int):
         super().__init__()
         # Both stored (4d, d): h = x @ c_fc.T, out = h @ c_proj (same function as the untransposed record).
-        self.c_fc = tag(nn.Parameter(torch.empty(4 * dim, dim)), "mlp", lr_mul=1.0)
-        self.c_proj = tag(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", lr_mul=2.0)
+        self.c_fc = set_optimizer_label(nn.Parameter(torch.empty(4 * dim, dim)), "mlp", lr_mul=1.0)
+        self.c_proj = set_optimizer_label(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", lr_mul=2.0)
         bound = math.sqrt(3) * 0.5 * dim ** -0.5
         with torch.no_grad():
             self.c_fc.uniform_(-bound, bound)
-        self.kernel = kernel  # one of MLP_KERNELS
 
-    def forward(self, x):
-        if self.kernel == "quack":
-            return torch.ops.speedrun.relu2_mlp(x, self.c_fc.type_as(x), self.c_proj.type_as(x))[0]
-        h = F.relu(F.linear(x, self.c_fc.type_as(x))).square()
-        return h @ self.c_proj.type_as(x)
+    def forward(self, x, kernels):
+        return kernels["mlp"](x, self.c_fc.type_as(x), self.c_proj.type_as(x))
 
 
 class Block(nn.Module):
-    def __init__(self, layer: int, dim: int, num_heads: int, head_dim: int, mlp_kernel: str = "inductor"):
+    def __init__(self, layer: int, dim: int, num_heads: int, head_dim: int):
         super().__init__()
-        # residual_linear is a quack GEMM: where quack runs the MLP it also runs the attention output projection
-        self.attn = (CausalSelfAttention(dim, num_heads, head_dim, fused_residual=mlp_kernel == "quack")
-                     if layer not in GPT.NO_ATTENTION else None)
-        self.mlp = MLP(dim, mlp_kernel) if layer not in GPT.NO_MLP else None
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim) if layer not in GPT.NO_ATTENTION else None
+        self.mlp = MLP(dim) if layer not in GPT.NO_MLP else None
 
 
 class GPT(nn.Module):
@@ -2005,22 +2015,22 @@ class GPT(nn.Module):
     SKIP_WEIGHT = 1                # the skip weight the record reads for the 4 -> 7 skip (scalars[1])
     NUM_SCALARS = 62               # 12 skip weights, 12x2 block lambdas, 12x2 SA lambdas, smear, backout
 
-    def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1, attn_backend: str = "reference",
-                 fp8: bool = False, mlp_kernel: str = "inductor"):
+    def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1, kernels: dict = None,
+                 fp8: bool = False):
         """max_seq_len: longest packed micro-batch (rotary tables); world_size: pads the scalars for DistAdam;
-        attn_backend: fa4 (through fa4_qkv) or a key of ATTENTION_BACKENDS; fp8: FP8 lm_head in training;
-        mlp_kernel: one of MLP_KERNELS (quack: the attention output projections through residual_linear too)."""
+        kernels: {name: function} from resolve_kernels (default: every plain function); fp8: FP8 lm_head in training."""
         super().__init__()
         d, L = args.model_dim, args.num_layers
+        self.kernels = kernels or {name: k.plain for name, k in FUSED_KERNELS.items()}
         self.vocab_size = next_multiple_of(args.vocab_size, 128)
         self.block_size = args.block_size
         self.embed = nn.Embedding(self.vocab_size, d)
         self.smear_gate = nn.Linear(12, 1, bias=False)
         nn.init.zeros_(self.smear_gate.weight)
         self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
-        self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim, mlp_kernel) for i in range(L)])
+        self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim) for i in range(L)])
         self.yarn = Yarn(args.head_dim, max_seq_len)
-        self.lm_head = LMHead(d, self.vocab_size, fp8, args.fused_fp8_head)
+        self.lm_head = LMHead(d, self.vocab_size, self.kernels["lm_head_loss"], fp8)
         for m in self.modules():  # embeddings, gates and lm_head live in bf16; the big matrices stay fp32
             if isinstance(m, (nn.Embedding, nn.Linear)):
                 m.bfloat16()
@@ -2031,14 +2041,12 @@ class GPT(nn.Module):
             torch.tensor([0.5, 1.0]).repeat(L),         # SA lambdas (qkv, o)
             torch.tensor([0.0, 0.5]),                   # smear lambda, backout lambda
             torch.ones(pad)]))
-        tag(self.embed.weight, "embed", 75.0)
-        tag(self.smear_gate.weight, "smear_gate")
+        set_optimizer_label(self.embed.weight, "embed", 75.0)
+        set_optimizer_label(self.smear_gate.weight, "smear_gate")
         for ve in self.value_embeds:
-            tag(ve.weight, "value_embed", 75.0)
-        tag(self.lm_head.weight, "lm_head", 1.0)
-        tag(self.scalars, "scalars", 5.0)
-        self.attn_fn = ATTENTION_BACKENDS.get(attn_backend)
-        self.qkv_attn_fn = attention_fa4_qkv if attn_backend == "fa4" else None
+            set_optimizer_label(ve.weight, "value_embed", 75.0)
+        set_optimizer_label(self.lm_head.weight, "lm_head", 1.0)
+        set_optimizer_label(self.scalars, "scalars", 5.0)
         self._trunk, self._head, self.is_compiled = self.trunk, self.head, False  # see compile_regions()
 
     def compile_regions(self, **options):
@@ -2049,25 +2057,35 @@ class GPT(nn.Module):
         self._head = torch.compile(self.head, **options)
         self.is_compiled = True
 
+    # CUDA graphs: a training micro-batch is recorded once and replayed, so a Python number read here (an attribute,
+    # a global, a schedule value) is frozen at its value at capture. A value that changes during training reaches the
+    # replays only as a tensor the graph reads (as the window table and the loss's divisor do) or as an entry of
+    # MicroBatchGraphs.key(), which then captures one graph per value.
     def forward(self, input_seq: Tensor, target_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
                 max_seqlen: int) -> Tensor:
-        """The loss (summed over tokens in training, the mean in eval)."""
-        attn_params = self.attention_params(ws_short, ws_long)
+        """The loss: summed over tokens in training, the mean in evaluation."""
+        window_table = self.window_table(ws_short, ws_long)
         if self.is_compiled:  # one graph for every micro-batch length (and cu_seqlens length)
             for t in (input_seq, target_seq, cu_seqlens):
                 torch._dynamo.mark_dynamic(t, 0)
-        x = self._trunk(input_seq, cu_seqlens, attn_params, max_seqlen)
-        if self.is_compiled:
-            torch._dynamo.mark_dynamic(x, 0)
-        return self._head(x, target_seq)
+        x = self._trunk(input_seq, cu_seqlens, window_table, max_seqlen)
+        if self.training:
+            return self._head(self.dynamic(x), target_seq)
+        chunks = zip(x.split(EVAL_HEAD_CHUNK), target_seq.split(EVAL_HEAD_CHUNK))
+        return sum(self._head(self.dynamic(xc), self.dynamic(tc)) for xc, tc in chunks) / target_seq.numel()
 
-    def attention_params(self, ws_short: int, ws_long: int) -> Tensor:
-        """Softmax scale and (short, long) windows in tokens, rows [scale, window]: a fresh CPU tensor per call
-        (data to the compiled graph, saved as is for the backward)."""
+    def dynamic(self, t: Tensor) -> Tensor:
+        if self.is_compiled:
+            torch._dynamo.mark_dynamic(t, 0)
+        return t
+
+    def window_table(self, ws_short: int, ws_long: int) -> Tensor:
+        """Rows [softmax scale, window in tokens] of the short and the long window: a fresh CPU tensor per call (data
+        to the compiled graph, saved as is for the backward)."""
         scale, bs = self.yarn.attn_scale, self.block_size
         return torch.tensor(((scale, ws_short * bs), (scale, ws_long * bs)), dtype=torch.float64)
 
-    def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, attn_params, max_seqlen: int) -> Tensor:
+    def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, window_table: Tensor, max_seqlen: int) -> Tensor:
         """Embeddings and blocks: the normalised final hidden state (T, d)."""
         L = len(self.blocks)
         skip_w = self.scalars[:L]           # one per layer; only the U-net skip into SKIP_TO's is used
@@ -2088,12 +2106,12 @@ class GPT(nn.Module):
                 x = x + torch.sigmoid(skip_w[self.SKIP_WEIGHT]) * skip
             x = lambdas[i, 0] * x + lambdas[i, 1] * x0
             if block.attn is not None:
-                which = 1 if i in self.LONG_WINDOW_LAYERS else 0
+                window_row = 1 if i in self.LONG_WINDOW_LAYERS else 0
                 v = ve[self.VALUE_EMBED_OF_LAYER[i]] if i in self.VALUE_EMBED_OF_LAYER else None
-                x = block.attn(norm(x), x, v, sa_lambdas[i], cu_seqlens, max_seqlen, attn_params, which, self.yarn,
-                               self.attn_fn, self.qkv_attn_fn)
+                x = block.attn(norm(x), x, v, sa_lambdas[i], cu_seqlens, max_seqlen, window_table, window_row,
+                               self.yarn, self.kernels)
             if block.mlp is not None:
-                x = x + block.mlp(norm(x))
+                x = x + block.mlp(norm(x), self.kernels)
             if i == self.SKIP_FROM:
                 skip = x
             if i == self.BACKOUT_FROM:
@@ -2456,13 +2474,19 @@ SEPARATOR = "=" * 100
 
 
 class Logger:
-    """Rank 0 writes the log file (script source first, then the run) and echoes run lines to the console."""
+    """Rank 0 writes the log file (script source first, then the run) and echoes run lines to the console. The file
+    is created exclusively: a log of the same name is never written over, unless `replace` says so."""
 
-    def __init__(self, path, master: bool):
+    def __init__(self, path, master: bool, replace: bool = False):
         self.path, self.master = Path(path), master
         if master:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            if replace:
+                self.path.unlink(missing_ok=True)
+            try:
+                open(self.path, "x").close()
+            except FileExistsError:
+                raise ConfigError(f"log {self.path} appeared while this run started: pick another --run-id") from None
 
     def __call__(self, text: str = "", console: bool = True):
         if not self.master:
@@ -2485,29 +2509,33 @@ def nvidia_smi() -> str:
 # them. A CUDA graph records one micro-batch's forward and backward launches, every kernel library's included, and
 # replays them with one call, reading and writing the addresses it was captured with: the graphs keep their own
 # batch tensors and one set of gradients, and share one memory pool for their temporaries. Host values are frozen
-# at capture (tokens per micro-batch, windows, YaRN's scale: all in the key); the loss's divisor is a tensor. With
-# several processes, the micro-batch that ends an Adam step launches DistAdam's reduce-scatters from its gradient
-# hooks: NCCL collectives can be captured (NCCL 2.9+) when every rank captures and replays the same graphs in the
-# same order, which the keys guarantee. Such a capture ends by joining NCCL's stream, so a replay leaves the
-# averaged gradients where DistAdam's step reads them.
+# at capture (see GPT.forward). With several processes, the micro-batch that ends an Adam step launches DistAdam's
+# reduce-scatters from its gradient hooks: NCCL collectives can be captured (NCCL 2.9+) when every rank captures and
+# replays the same graphs in the same order, which the keys guarantee. Such a capture ends by joining NCCL's
+# stream, so a replay leaves the averaged gradients where DistAdam's step reads them.
 
 class CudaGraph:
-    """torch.cuda.CUDAGraph, captured on a side stream right after one eager run there that does the micro-batch's
-    work (state made lazily per stream, such as cuBLAS's workspace, is then made outside the capture)."""
+    """torch.cuda.CUDAGraph, captured on a side stream. The process's first capture runs the micro-batch once
+    eagerly on that stream first, so that state made lazily per stream (cuBLAS's workspace) is not made inside a
+    capture; the eager warm-up made everything else, so later captures only record, and a replay does the work."""
     stream = pool = None  # shared by every capture
 
-    def capture(self, fn):
-        if CudaGraph.stream is None:
+    def capture(self, fn) -> bool:
+        """Record fn. True where fn also ran (the micro-batch's work is done), False where a replay must do it."""
+        first = CudaGraph.stream is None
+        if first:
             CudaGraph.stream, CudaGraph.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
         side = CudaGraph.stream
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
+        if first:
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: NCCL's watchdog thread may query its events while this thread captures
         with torch.cuda.graph(self.graph, pool=CudaGraph.pool, stream=side, capture_error_mode="thread_local"):
             fn()
+        return first
 
     def replay(self):
         self.graph.replay()
@@ -2524,43 +2552,39 @@ class CudaGraph:
 
 class MicroBatchGraphs:
     """Training micro-batches run as graphs, one per key (batch shapes, windows, softmax scale, whether it launches
-    DistAdam's reduce-scatters, and which gradients it starts). A key's first micro-batch runs eagerly (it may
-    compile), its second is captured (the eager run before the capture does its work), the later ones replay.
-    writes_first: every step is one micro-batch (8 GPUs), so a gradient set to None starts its sum in it: the graph
-    hands it over as the record's backward does (autograd's own tensor) and copies it into its buffer, instead of
-    zeroing the buffer and adding to it. new_graph: the graph type (tests replace CUDA's)."""
+    DistAdam's reduce-scatters, and which gradients it starts): a key's first micro-batch is captured, later ones
+    replay. writes_first: every step is one micro-batch (8 GPUs), so a gradient set to None starts its sum in it: the
+    graph hands it over as the record's backward does (autograd's own tensor) and copies it into its buffer, instead
+    of zeroing the buffer and adding to it."""
+    Graph = CudaGraph  # what records a micro-batch (the CPU tests put a stand-in here)
 
-    def __init__(self, model: nn.Module, adam: "DistAdam", grad_buffers: dict = None, writes_first: bool = False,
-                 new_graph=CudaGraph):
-        self.model, self.adam, self.new_graph = model, adam, new_graph
-        self.writes_first = writes_first
-        self.grad_buffers = grad_buffers or {}  # param -> where an optimizer wants its gradient (NorMuon's stacks)
+    def __init__(self, model: nn.Module, adam: "DistAdam", grad_buffers: dict = None, writes_first: bool = False):
+        self.model, self.adam, self.writes_first = model, adam, writes_first
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.grads = None        # the gradient tensors every graph accumulates into
-        self.divisor = None      # 0-D float32 on the device: micro-batches per step
-        self.loss = None         # 0-D float32 on the device: the last replayed micro-batch's loss
+        grad_buffers = grad_buffers or {}  # param -> where an optimizer wants its gradient (NorMuon's stacks)
+        # the gradients every graph accumulates into, made here, outside the graphs' memory pool
+        self.grads = [grad_buffers[p] if p in grad_buffers else torch.zeros_like(p) for p in self.params]
+        device = self.params[0].device
+        self.divisor = torch.zeros((), dtype=torch.float32, device=device)  # micro-batches per step
+        self.loss = torch.zeros((), dtype=torch.float32, device=device)     # the last replayed micro-batch's loss
         self.divisor_value = None
         self.graphs = {}         # key -> (graph, static copies of the batch tensors, params it reduce-scatters)
-        self.seen = set()
         self.captures = self.replays = 0
 
     def key(self, batch, ws_short: int, ws_long: int) -> tuple:
         """The last entry: the indices of the params whose gradient this micro-batch starts (writes_first only)."""
         reduces = self.adam.should_sync and self.adam.world_size > 1
-        starts = tuple(i for i, p in enumerate(self.params) if p.grad is None) if self.writes_first else ()
+        grads_started = tuple(i for i, p in enumerate(self.params) if p.grad is None) if self.writes_first else ()
         return (tuple((t.shape, t.dtype) for t in batch), ws_short, ws_long, self.model.yarn.attn_scale, reduces,
-                starts)
+                grads_started)
 
-    def attach_grads(self, starts: tuple = ()):
-        """Point every parameter's .grad at the graphs' buffers (grad_buffers' where given): a None gradient
-        (zero_grad(set_to_none=True)) becomes the zeroed buffer, a gradient made elsewhere (an eager backward) is
-        copied into it. starts: indices of params left at None (the graph writes their buffers)."""
-        if self.grads is None:
-            self.grads = [self.grad_buffers[p] if p in self.grad_buffers else
-                          torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+    def attach_grads(self, grads_started: tuple = ()):
+        """Point every parameter's .grad at the graphs' buffers: a None gradient (zero_grad(set_to_none=True))
+        becomes the zeroed buffer, a gradient made elsewhere (an eager backward) is copied into it. grads_started:
+        indices of params left at None (the graph writes their buffers)."""
         zero = []
         for i, (p, g) in enumerate(zip(self.params, self.grads)):
-            if p.grad is g or i in starts:
+            if p.grad is g or i in grads_started:
                 continue
             if p.grad is None:
                 zero.append(g)
@@ -2570,61 +2594,56 @@ class MicroBatchGraphs:
         if zero:
             torch._foreach_zero_(zero)
 
-    def take_started_grads(self, starts: tuple):
-        """Copy the gradients that the backward just made for the params in starts into their buffers (a param
-        that got none: zeros), and point .grad at the buffers."""
-        made = [i for i in starts if self.params[i].grad is not None]
+    def take_started_grads(self, grads_started: tuple):
+        """Copy the gradients that the backward just made for the params in grads_started into their buffers (a
+        param that got none: zeros), and point .grad at the buffers."""
+        made = [i for i in grads_started if self.params[i].grad is not None]
         if made:
             torch._foreach_copy_([self.grads[i] for i in made], [self.params[i].grad for i in made])
-        unused = [self.grads[i] for i in starts if self.params[i].grad is None]
+        unused = [self.grads[i] for i in grads_started if self.params[i].grad is None]
         if unused:
             torch._foreach_zero_(unused)
-        for i in starts:
+        for i in grads_started:
             self.params[i].grad = self.grads[i]
 
-    def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward) -> bool:
-        """forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor): one micro-batch's forward and
-        backward of loss / divisor, returning the loss (which a graph writes into self.loss). False: this micro-batch
-        is for the caller to run eagerly (its key's first)."""
+    def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward):
+        """One micro-batch through its graph (captured at its key's first micro-batch): forward_backward(inputs,
+        targets, cu_seqlens, ws_short, ws_long, divisor) runs loss / divisor backward and returns the loss, which
+        the graph writes into self.loss."""
         key = self.key(batch, ws_short, ws_long)
-        entry = self.graphs.get(key)
-        if entry is None and key not in self.seen:
-            self.seen.add(key)
-            return False
-        starts = key[-1]
-        self.attach_grads(starts)
-        if self.divisor is None:
-            self.divisor = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
-            self.loss = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        grads_started = key[-1]
+        self.attach_grads(grads_started)
         if micro_batches != self.divisor_value:
             self.divisor.fill_(micro_batches)
             self.divisor_value = micro_batches
+        entry = self.graphs.get(key)
         if entry is None:
             static = tuple(t.clone() for t in batch)
             reduced = []
 
             def micro_batch():
-                for i in starts:  # the eager run before the capture left its buffer here
+                for i in grads_started:  # an eager run before the capture left its buffer here
                     self.params[i].grad = None
                 self.loss.copy_(forward_backward(*static, ws_short, ws_long, self.divisor))
-                self.take_started_grads(starts)
+                self.take_started_grads(grads_started)
                 reduced[:] = self.adam.join_reduce_scatters()
 
-            graph = self.new_graph()
-            graph.capture(micro_batch)
-            self.graphs[key] = (graph, static, reduced)
+            graph = self.Graph()
+            ran = graph.capture(micro_batch)
+            entry = self.graphs[key] = (graph, static, reduced)
             self.captures += 1
-            return True
-        graph, static, reduced = entry
-        for mine, t in zip(static, batch):
-            mine.copy_(t, non_blocking=True)
+            if ran:
+                return
+        else:
+            for mine, t in zip(entry[1], batch):
+                mine.copy_(t, non_blocking=True)
+        graph, _, reduced = entry
         graph.replay()
-        for i in starts:  # the replay wrote their buffers; their .grad is still None (no Python runs in a replay)
+        for i in grads_started:  # the replay wrote their buffers; their .grad is still None (no Python runs in a replay)
             self.params[i].grad = self.grads[i]
         if reduced:
             self.adam.reduce_scatters_replayed(reduced)
         self.replays += 1
-        return True
 
 
 class BatchStream:
@@ -2641,13 +2660,26 @@ class BatchStream:
 
 
 def build_optimizers(model: GPT, args: Hyperparameters):
-    hidden = [p for n, p in model.blocks.named_parameters() if p.ndim >= 2 and "gate" not in n]
-    gates = [p for n, p in model.named_parameters() if "gate" in n]
-    adam_params = [model.scalars, model.lm_head.weight, model.embed.weight, *(ve.weight for ve in model.value_embeds)]
-    assert {id(p) for p in hidden + gates + adam_params} == {id(p) for p in model.parameters()}
+    """NorMuon for the matrices and gates, DistAdam for the rest, by each parameter's label (set_optimizer_label)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        label = getattr(p, "label", None)
+        if label not in NORMUON_LABEL_ORDER + DISTADAM_LABEL_ORDER:
+            raise ConfigError(f"parameter {name} has {'no optimizer label' if label is None else f'label {label!r}'}, "
+                              f"which no optimizer takes: give it one with set_optimizer_label(), from "
+                              f"NORMUON_LABEL_ORDER {NORMUON_LABEL_ORDER} or DISTADAM_LABEL_ORDER "
+                              f"{DISTADAM_LABEL_ORDER} (add a new label to one of those tables)")
+        if "gate" in name and label not in NORMUON_GATE_LABELS:
+            raise ConfigError(f"parameter {name} looks like a gate but its label {label!r} is not in "
+                              f"NORMUON_GATE_LABELS {NORMUON_GATE_LABELS}: add it there (a gate gets one second "
+                              f"moment per row) or rename the module")
+    muon_params = [p for p in model.parameters() if p.label in NORMUON_LABEL_ORDER]
+    muon_params.sort(key=lambda p: p.label in NORMUON_GATE_LABELS)  # matrices first, then the gates
+    adam_params = [p for p in model.parameters() if p.label in DISTADAM_LABEL_ORDER]
     adam = DistAdam(adam_params, lr=args.adam_lr, betas=args.adam_betas, eps=args.adam_eps)
-    muon = NorMuon(hidden + gates, lr=args.muon_lr, weight_decay=args.muon_weight_decay,
+    muon = NorMuon(muon_params, lr=args.muon_lr, weight_decay=args.muon_weight_decay,
                    momentum=args.muon_momentum_warmup[0], beta2=args.muon_beta2, orthogonalizer=args.orthogonalizer)
+    muon.names = [names[id(p)] for p in muon_params]
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -2676,20 +2708,36 @@ class RunResult:
 TARGET_VAL_LOSS = 3.28
 
 
-def summary_line(args: Hyperparameters, rt: "Runtime", result: RunResult) -> str:
+def summary_line(args: Hyperparameters, runtime: "Runtime", result: RunResult) -> str:
     """The log's last line: what a reader (or records/compare.py) wants first."""
-    peak = torch.cuda.max_memory_allocated() // 2**20 if rt.device == "cuda" else None
     reached = "reached" if result.val_loss <= TARGET_VAL_LOSS else "not reached"
+    allocated, reserved, pool = peak_memory(runtime.device)
+    memory = (f"peak_memory {allocated} MiB allocated, {reserved} MiB reserved ({pool} MiB graphs' pool)"
+              if runtime.device == "cuda" else "peak_memory n/a (cpu)")
     return (f"summary: val_loss {result.val_loss:.4f} at step {result.steps}, train_time {result.train_time_ms / 1000:.3f}s, "
-            f"step_avg {result.train_time_ms / max(result.steps, 1):.2f}ms, "
-            f"peak_memory {f'{peak} MiB' if peak is not None else 'n/a (cpu)'}, "
+            f"step_avg {result.train_time_ms / max(result.steps, 1):.2f}ms, {memory}, "
             f"target {TARGET_VAL_LOSS} {reached}")
+
+
+class RunStopped(Exception):
+    """The run ends early with a message for the log's last line and an exit status (no traceback)."""
+    status = 1
+
+
+class TrainingDiverged(RunStopped):
+    status = 3
+
+
+class Interrupted(RunStopped):
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.status = 128 + signum
 
 
 @dataclass
 class Trainer:
     args: Hyperparameters
-    rt: "Runtime"
+    runtime: "Runtime"
     model: GPT                 # compiled per region (GPT.compile_regions) or plain
     adam: object
     muon: object
@@ -2697,36 +2745,41 @@ class Trainer:
     val_file: str
     log: Logger
     graphs: MicroBatchGraphs = None   # --cuda-graphs: the training micro-batches as CUDA graphs
+    where: str = "while starting"     # what the run is doing, for an interrupt's message
 
     def console(self, text: str):
         if self.log.master:
             print(text, flush=True)
 
     def new_batches(self, batch_size: int) -> BatchStream:
-        a = self.args
+        a, r = self.args, self.runtime
         return BatchStream(distributed_data_generator(self.train_files, batch_size, a.train_max_seq_len,
-                                                      self.rt.grad_accum_steps, self.rt.rank, self.rt.world_size,
-                                                      a.train_epochs, self.rt.device))
+                                                      r.grad_accum_steps, r.rank, r.world_size, a.train_epochs, r.device))
 
     def train_step(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
-                   micro_batches: int, losses: list = None, optimize: bool = True):
-        """One training step: every micro-batch's forward and backward (its CUDA graph replayed, or eagerly), the
-        gradients summed into .grad, then the optimizers. settings: the data generator's new (batch size, ...) at
-        a stage switch, else None. losses: gets each micro-batch's summed loss (0-D tensors on the device).
-        optimize=False stops before the optimizers (the benchmark's graphs-against-eager check)."""
+                   micro_batches: int) -> Tensor:
+        """One training step: every micro-batch's forward and backward, then the optimizers. settings: the data
+        generator's new (batch size, ...) at a stage switch, else None. Returns the last micro-batch's loss."""
+        losses = self.accumulate_gradients(step, batches, settings, ws_short, ws_long, micro_batches)
+        optimizer_step(step, self.model, self.adam, self.muon)
+        return losses[-1]
+
+    def accumulate_gradients(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
+                             micro_batches: int) -> list:
+        """Every micro-batch's forward and backward (its CUDA graph replayed, or eagerly), the gradients summed into
+        .grad. Returns each micro-batch's summed loss (0-D tensors on the device)."""
+        losses = []
         for micro in range(micro_batches):
+            last = micro == micro_batches - 1
             # Adam steps on odd steps: the gradient hooks of that step's last backward launch its reduce-scatters
-            self.adam.should_sync = step % 2 == 1 and micro == micro_batches - 1
+            self.adam.should_sync = step % 2 == 1 and last
             batch = batches.get(settings if micro == 0 else None)
-            if self.graphs is not None and self.graphs.run(batch, ws_short, ws_long, micro_batches,
-                                                           self.forward_backward):
-                loss = self.graphs.loss
+            if self.graphs is not None:
+                self.graphs.run(batch, ws_short, ws_long, micro_batches, self.forward_backward)
+                losses.append(self.graphs.loss if last else self.graphs.loss.clone())
             else:
-                loss = self.forward_backward(*batch, ws_short, ws_long, micro_batches)
-            if losses is not None:
-                losses.append(loss.clone())
-        if optimize:
-            optimizer_step(step, self.model, self.adam, self.muon)
+                losses.append(self.forward_backward(*batch, ws_short, ws_long, micro_batches))
+        return losses
 
     def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor) -> Tensor:
         """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward. Returns
@@ -2738,7 +2791,7 @@ class Trainer:
 
     def cpu_gemms(self):
         """Where the model's GEMMs run in fp32 (a CPU without native bf16 GEMMs), else nothing."""
-        return bf16_gemms_in_fp32() if self.rt.bf16_gemms_in_fp32 else contextlib.nullcontext()
+        return bf16_gemms_in_fp32() if self.runtime.bf16_gemms_in_fp32 else contextlib.nullcontext()
 
     def set_schedules(self, step: int):
         lr = get_lr(step, self.args)
@@ -2750,13 +2803,12 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, ws_short: int, ws_long: int, max_steps: int = None) -> float:
-        a = self.args
+        a, r = self.args, self.runtime
         self.model.eval()
-        num_tokens = a.val_batch_size // (self.rt.grad_accum_steps * self.rt.world_size)
-        total, steps = torch.zeros((), device=self.rt.device), 0
+        num_tokens = a.val_batch_size // (r.grad_accum_steps * r.world_size)
+        total, steps = torch.zeros((), device=r.device), 0
         for inputs, targets, cu_seqlens in validation_batches(self.val_file, a.val_batch_size, a.val_tokens,
-                                                              self.rt.grad_accum_steps, self.rt.rank, self.rt.world_size,
-                                                              self.rt.device):
+                                                              r.grad_accum_steps, r.rank, r.world_size, r.device):
             with self.cpu_gemms():
                 total += self.model(inputs, targets, cu_seqlens, ws_short, ws_long, num_tokens)
             steps += 1
@@ -2765,36 +2817,43 @@ class Trainer:
         total /= steps
         if dist.is_initialized():
             dist.all_reduce(total)  # SUM then divide: gloo has no AVG all-reduce
-            total /= self.rt.world_size
+            total /= r.world_size
         self.model.train()
         return total.item()
 
     def warm_up_kernels(self):
-        """Untimed: run every graph variant the real run will meet (4 train stages, 5 eval window pairs),
-        then restore the initial weights and optimizer states so the timed run starts from scratch."""
+        """Untimed: compile and run everything the timed run will meet, then restore the initial weights and
+        optimizer states so the timed run starts from scratch. First each stage eagerly, which compiles and makes
+        every lazily made state; then, with CUDA graphs, each stage again, capturing its micro-batches into the
+        graphs' pool once the eager blocks are released (the two never hold memory at the same time); then every
+        window pair validation runs with."""
         a = self.args
         self.warm_up_times = []  # (label, seconds): where the cold start goes
         initial = copy.deepcopy(dict(model=self.model.state_dict(),
                                      opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
-        table = stages(a)
-        batches = self.new_batches(table[0].batch_size)
-        for stage in table:
-            t = time.time()
-            self.model.yarn.set_window(stage.ws_long)
-            for k in range(a.warmup_steps_per_stage):
-                self.train_step(k, batches, (stage.batch_size, a.train_max_seq_len, self.rt.grad_accum_steps),
-                                stage.ws_short, stage.ws_long, micro_batches=1)
-            synchronize(self.rt.device)
-            seconds = time.time() - t
-            self.warm_up_times.append((f"train batch {stage.batch_size} window {stage.ws_long}", seconds))
-            self.console(f"warm-up: train steps for batch {stage.batch_size}, window {stage.ws_long}: {seconds:.1f}s "
-                         f"({compiled_graph_count()} graphs compiled so far)")
-        if self.graphs is not None:
-            torch.cuda.empty_cache()  # the eager micro-batches' cached blocks: the graphs' pool replaces them
-            self.log(f"CUDA graphs: {self.graphs.captures} training micro-batches captured (a stage's first micro-batch "
-                     f"runs eagerly, its second is captured), memory pool {CudaGraph.pool_bytes() / 2**30:.2f} GiB")
-        self.model.zero_grad(set_to_none=True)
-        self.model.yarn.reset()
+        graphs, self.graphs = self.graphs, None
+        passes = [("eager", 2)] + ([("graphs", a.warmup_steps_per_stage)] if graphs is not None else [])
+        for kind, steps in passes:
+            self.graphs = graphs if kind == "graphs" else None
+            batches = self.new_batches(stages(a)[0].batch_size)
+            for stage in stages(a):
+                t = time.time()
+                self.model.yarn.set_window(stage.ws_long)
+                for k in range(steps):
+                    self.train_step(k, batches, (stage.batch_size, a.train_max_seq_len, self.runtime.grad_accum_steps),
+                                    stage.ws_short, stage.ws_long, micro_batches=1)
+                synchronize(self.runtime.device)
+                seconds = time.time() - t
+                self.warm_up_times.append((f"train {kind} batch {stage.batch_size} window {stage.ws_long}", seconds))
+                self.console(f"warm-up: {kind} train steps for batch {stage.batch_size}, window {stage.ws_long}: "
+                             f"{seconds:.1f}s ({compiled_graph_count()} graphs compiled so far)")
+            self.model.zero_grad(set_to_none=True)
+            self.model.yarn.reset()
+            if self.runtime.device == "cuda":
+                torch.cuda.empty_cache()  # this pass's cached blocks: the next pass allocates elsewhere
+        if graphs is not None:
+            self.log(f"CUDA graphs: {graphs.captures} training micro-batches captured, memory pool "
+                     f"{CudaGraph.pool_bytes() / 2**30:.2f} GiB")
         windows = eval_windows(a)
         for i, (short, long) in enumerate(windows):
             if i < len(windows) - 1:  # the final validation widens the window without a YaRN update
@@ -2811,7 +2870,6 @@ class Trainer:
         self.model.load_state_dict(initial["model"])
         for opt, state in zip((self.adam, self.muon), initial["opts"]):
             opt.load_state_dict(state)
-        del batches
 
     def train(self) -> "RunResult":
         """The timed run: per step the stage's batch size and windows, a validation where due (off the clock), the
@@ -2822,12 +2880,14 @@ class Trainer:
         batches = self.new_batches(table[0].batch_size)
         previous_bs = table[0].batch_size
         switch_steps = {s.first_step for s in table if s.first_step < total}
+        watch = NonFiniteLossWatch(self.runtime.device, self.runtime.master)
         training_time_ms = 0.0
         gc.collect()  # no stop-the-world gen-2 collection in the timed region
-        synchronize(self.rt.device)
+        synchronize(self.runtime.device)
         t0 = time.perf_counter()
         with no_compiles_allowed(a.fail_on_recompile):
             for step in range(total + 1):
+                self.where = f"at step {step}"
                 last = step == total
                 stage = table[stage_index(step, a)]
                 ws_short, ws_long = stage.ws_short, stage.ws_long
@@ -2835,24 +2895,28 @@ class Trainer:
                     log(schedule_line(step, a))
                 self.model.yarn.set_window(ws_long)
                 if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
-                    synchronize(self.rt.device)
+                    synchronize(self.runtime.device)
                     if step > 0:  # before step 0 nothing has trained: a slow log write is not training time
                         training_time_ms += 1000 * (time.perf_counter() - t0)
                     eval_long = a.ws_validate_post_yarn_ext if last else ws_long  # no YaRN update for the final one
                     val_loss = self.evaluate(ws_short, eval_long)
+                    if not math.isfinite(val_loss):
+                        raise TrainingDiverged(f"stopped at step {step}: the validation loss is {val_loss}")
                     log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
                         f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
-                    synchronize(self.rt.device)
+                    synchronize(self.runtime.device)
                     t0 = time.perf_counter()
                 if last:
                     break
                 bs = stage.batch_size
-                settings = (bs, a.train_max_seq_len, self.rt.grad_accum_steps) if bs != previous_bs else None
+                settings = (bs, a.train_max_seq_len, self.runtime.grad_accum_steps) if bs != previous_bs else None
                 previous_bs = bs
                 self.set_schedules(step)
-                self.train_step(step, batches, settings, ws_short, ws_long, self.rt.grad_accum_steps)
+                loss = self.train_step(step, batches, settings, ws_short, ws_long, self.runtime.grad_accum_steps)
+                watch.after_step(step, loss)
                 approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
                 log(f"step:{step + 1}/{total} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
+        self.where = "after the last step"
         return RunResult(steps=total, val_loss=val_loss, train_time_ms=training_time_ms)
 
 
@@ -2898,13 +2962,48 @@ def synchronize(device: str):
         torch.cuda.synchronize()
 
 
-def peak_memory_line(device: str) -> str:
+def peak_memory(device: str) -> tuple:
+    """(allocated, reserved, the graphs' pool) in MiB: reserved is all the process holds on the GPU, the graphs' pool
+    (their temporaries, not counted as allocated) included. A CPU run: its peak resident set size for both."""
     if device == "cuda":
-        return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
-                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    import resource  # CPU runs: the process's peak resident set size stands in for both
+        return (torch.cuda.max_memory_allocated() // 2**20, torch.cuda.max_memory_reserved() // 2**20,
+                CudaGraph.pool_bytes() // 2**20)
+    import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-    return f"peak memory allocated: {rss} MiB reserved: {rss} MiB"
+    return rss, rss, 0
+
+
+def peak_memory_line(device: str) -> str:
+    allocated, reserved, pool = peak_memory(device)
+    return f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB" + \
+        (f" graphs' pool: {pool} MiB" if device == "cuda" else "")
+
+
+class NonFiniteLossWatch:
+    """Stops a run whose training loss is no longer finite, without making the host wait for the GPU: the device
+    counts the steps whose loss was finite; rank 0 copies the count into pinned memory and reads a copy once its
+    event has passed, a step or two later. (A non-finite loss on any rank reaches every rank's weights at the next
+    optimizer step, so rank 0 sees it too; the other ranks are ended by the launcher.)"""
+
+    def __init__(self, device: str, master: bool):
+        self.active, self.cuda = master, device == "cuda"
+        self.finite_steps = torch.zeros((), dtype=torch.int64, device=device)
+        self.seen = torch.zeros((), dtype=torch.int64, pin_memory=self.cuda)
+        self.copied_steps, self.copied = 0, None  # steps the count in `seen` covers, and its copy's event
+
+    def after_step(self, step: int, loss: Tensor):
+        if not self.active:
+            return
+        self.finite_steps += torch.isfinite(loss)
+        if self.copied is not None and not self.copied.query():
+            return
+        if int(self.seen) < self.copied_steps:
+            raise TrainingDiverged(f"stopped at step {int(self.seen) + 1}: its training loss is not finite")
+        self.seen.copy_(self.finite_steps, non_blocking=self.cuda)
+        self.copied_steps = step + 1
+        if self.cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
 
 # --- bf16 GEMMs on CPUs without native bf16 ---
@@ -2959,10 +3058,10 @@ class Runtime:
     world_size: int
     launched: bool            # started by torchrun (RANK set): a process group even for one process
     grad_accum_steps: int     # micro-batches per step: 8 // world_size, so the global batch never changes
-    attn_backend: str         # fa4, or a key of ATTENTION_BACKENDS
     compile: bool
     fp8: bool
-    mlp_kernel: str = "inductor"      # one of MLP_KERNELS
+    kernels: dict = field(default_factory=dict)      # {name: the function the model calls} (resolve_kernels)
+    kernel_notes: tuple = ()                          # fused kernels that cannot run here, and why
     cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)
     bf16_gemms_in_fp32: bool = False  # a CPU without native bf16 GEMMs: they run in fp32 (Bf16GemmsInFp32)
 
@@ -2970,16 +3069,19 @@ class Runtime:
     def master(self) -> bool:
         return self.rank == 0
 
+    @property
+    def fused(self) -> str:
+        """The fused kernels in use, comma-separated ("none": the plain model)."""
+        return ",".join(n for n, fn in self.kernels.items() if fn is not FUSED_KERNELS[n].plain) or "none"
+
     def config_line(self, args: Hyperparameters) -> str:
         """The log's `Run config:` line (records/compare.py reads it)."""
         gpu_name = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
-        fused_head = self.fp8 and args.fused_fp8_head
         return (f'Run config: world_size={self.world_size} grad_accum_steps={self.grad_accum_steps} '
-                f'device={self.device} attn_backend={self.attn_backend} orthogonalizer={args.orthogonalizer} '
-                f'fp8={int(self.fp8)} compile={int(self.compile)} fused_fp8_head={int(fused_head)} '
-                f'mlp_kernel={self.mlp_kernel} cuda_graphs={int(self.cuda_graphs)} '
-                f'bf16_gemms_in_fp32={int(self.bf16_gemms_in_fp32)} data_path={args.data_path} '
-                f'train_epochs={args.train_epochs} smoke={int(args.smoke)} '
+                f'device={self.device} kernels={args.kernels} fused={self.fused} '
+                f'orthogonalizer={args.orthogonalizer} fp8={int(self.fp8)} compile={int(self.compile)} '
+                f'cuda_graphs={int(self.cuda_graphs)} bf16_gemms_in_fp32={int(self.bf16_gemms_in_fp32)} '
+                f'data_path={args.data_path} train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
 
 
@@ -3004,14 +3106,6 @@ def pick_device(args: Hyperparameters) -> str:
     raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
 
 
-def resolve_cuda_graphs(args: Hyperparameters, device: str, use_compile: bool) -> bool:
-    if args.cuda_graphs == "on":
-        if device != "cuda":
-            raise ConfigError("--cuda-graphs on needs a CUDA GPU: use --cuda-graphs auto or off")
-        return True
-    return args.cuda_graphs == "auto" and device == "cuda" and use_compile
-
-
 def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
     """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read."""
     world_size = int(env.get("WORLD_SIZE", 1))
@@ -3020,40 +3114,68 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
         print("note: no CUDA device found, so the smoke run trains on the CPU (--device cpu says so and silences "
               "this)", file=sys.stderr, flush=True)
     use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
+    if use_compile and device != "cuda":
+        raise ConfigError("--compile on needs a CUDA GPU (the CPU's reference attention cannot be compiled)")
     if args.fp8 == "on" and device != "cuda":
         raise ConfigError("--fp8 on needs a CUDA GPU (FP8 matmuls); use --fp8 auto or off on the CPU")
-    backend = resolve_attention_backend(args.attn_backend, device)
-    if use_compile and backend == "reference":
-        raise ConfigError("the reference attention cannot be compiled: use --compile off, or a GPU backend")
+    if args.cuda_graphs == "on" and device != "cuda":
+        raise ConfigError("--cuda-graphs on needs a CUDA GPU: use --cuda-graphs auto or off")
+    fp8 = args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda")
+    kernels, notes = resolve_kernels(args.kernels, device, fp8)
     return Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
                    world_size=world_size, launched="RANK" in env, grad_accum_steps=grad_accum_steps_for(world_size),
-                   attn_backend=backend, compile=use_compile,
-                   fp8=args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda"),
-                   mlp_kernel=resolve_mlp_kernel(args.mlp_kernel, device),
-                   cuda_graphs=resolve_cuda_graphs(args, device, use_compile),
+                   compile=use_compile, fp8=fp8, kernels=kernels, kernel_notes=tuple(notes),
+                   cuda_graphs=args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device == "cuda"
+                                                           and use_compile),
                    bf16_gemms_in_fp32=device == "cpu" and not use_compile and not native_bf16_gemms())
 
 
-def check_log_dir(folder: Path) -> None:
-    """The log folder must be one this process can write in, or create: checked before anything is written or
-    launched, so that a bad --log-dir is one line and not a traceback once the run has started."""
-    existing = folder
+def check_writable(path: Path, what: str) -> None:
+    """The folder `path` is, or would be created in, must be one this process can write in: checked before anything
+    is written or launched, so that a bad path is one line and not a traceback once the run has started."""
+    existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"--log-dir {folder}: {existing} is a file, not a folder; pick another --log-dir")
+        raise ConfigError(f"{what} {path}: {existing} is a file, not a folder; pick another path")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
-        raise ConfigError(f"--log-dir {folder}: cannot write in {existing} ({e.strerror or e}); pick a folder you "
-                          "can write in") from None
+        raise ConfigError(f"{what} {path}: cannot write in {existing} ({e.strerror or e}); pick a folder you can "
+                          "write in") from None
 
 
-def find_data(args: Hyperparameters, rt: Runtime):
+def log_path(args: Hyperparameters, run_id: str) -> Path:
+    return Path(args.log_dir) / f"{run_id}.txt"
+
+
+def check_outputs(args: Hyperparameters) -> None:
+    """Where this run will write: the log folder, the log and checkpoint of --run-id (never written over unless
+    --replace-log), and the --compile-cache bundle (a file, or a new one in a writable folder)."""
+    check_writable(Path(args.log_dir), "--log-dir")
+    if args.run_id:
+        for old in (log_path(args, args.run_id), Path(args.log_dir) / args.run_id):
+            if old.exists() and not args.replace_log:
+                raise ConfigError(f"{old} exists (a run with --run-id {args.run_id}): pick another --run-id, or add "
+                                  "--replace-log to replace it")
+            if old.exists() and not (old.is_file() if old.suffix == ".txt" else old.is_dir()):
+                raise ConfigError(f"{old} exists and is not a {'file' if old.suffix == '.txt' else 'folder'}: pick "
+                                  "another --run-id")
+    if args.compile_cache:
+        bundle = Path(args.compile_cache)
+        if bundle.exists() and not bundle.is_file():
+            raise ConfigError(f"--compile-cache {bundle} is a folder, not a file: name the bundle's file, e.g. "
+                              f"{bundle / 'compile_cache.zip'}")
+        check_writable(bundle.parent, "--compile-cache")
+
+
+def find_data(args: Hyperparameters, runtime: Runtime):
     """Check the data before any process group exists or any file is written. Every rank reads the same headers,
     so a problem is a ConfigError (reported once, by rank 0)."""
     folder = Path(args.data_path)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--data-path {folder} is a file: give the folder that holds the shards")
     if not folder.is_dir():
         raise ConfigError(f"data folder {folder} does not exist: run `python data/cached_fineweb10B.py 9` "
                           "(FineWeb) or `./run.sh proxy` and pass --data-path data/proxy")
@@ -3077,20 +3199,20 @@ def find_data(args: Hyperparameters, rt: Runtime):
         raise ConfigError(f"validation shard {val_files[0]} holds {val_tokens:,} tokens, fewer than "
                           f"--val-tokens {args.val_tokens:,} + 1: lower --val-tokens (and --val-batch-size)")
     for bs in (*args.train_bs_schedule, args.train_bs_extension, args.val_batch_size):
-        if bs % (rt.grad_accum_steps * rt.world_size):
+        if bs % (runtime.grad_accum_steps * runtime.world_size):
             raise ConfigError(f"batch size {bs} is not divisible by grad_accum_steps x world_size "
-                              f"({rt.grad_accum_steps} x {rt.world_size})")
+                              f"({runtime.grad_accum_steps} x {runtime.world_size})")
     return train_files, val_files[0]
 
 
-def setup_process_group(rt: Runtime):
-    if rt.device == "cuda":
-        torch.cuda.set_device(rt.local_rank)
+def setup_process_group(runtime: Runtime):
+    if runtime.device == "cuda":
+        torch.cuda.set_device(runtime.local_rank)
         # Works around a first-backward bug seen on some systems (the record does the same).
         torch.zeros(1, device="cuda", requires_grad=True).sum().backward()
-    if rt.world_size > 1 or rt.launched:
-        if rt.device == "cuda":
-            dist.init_process_group("nccl", device_id=torch.device("cuda", rt.local_rank))
+    if runtime.world_size > 1 or runtime.launched:
+        if runtime.device == "cuda":
+            dist.init_process_group("nccl", device_id=torch.device("cuda", runtime.local_rank))
         else:
             dist.init_process_group("gloo")
         dist.barrier()
@@ -3099,51 +3221,54 @@ def setup_process_group(rt: Runtime):
 RECOMPILE_LIMIT = 64  # graphs per code object (a train and an eval graph each; a few more for tests)
 
 
-def build_model_and_optimizers(args: Hyperparameters, rt: Runtime):
+def build_model_and_optimizers(args: Hyperparameters, runtime: Runtime):
     """The model on this process's device (rank 0's initialisation on every rank, compiled per region) and its two
     optimizers."""
-    micro_batches = rt.grad_accum_steps * rt.world_size  # per step, over all ranks
+    micro_batches = runtime.grad_accum_steps * runtime.world_size  # per step, over all ranks
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
-    model = GPT(args, max_seq_len=max_seq_len, world_size=rt.world_size, attn_backend=rt.attn_backend, fp8=rt.fp8,
-                mlp_kernel=rt.mlp_kernel).to(rt.device)
+    model = GPT(args, max_seq_len=max_seq_len, world_size=runtime.world_size, kernels=runtime.kernels,
+                fp8=runtime.fp8).to(runtime.device)
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
-    if rt.compile:
+    if runtime.compile:
         model.compile_regions(dynamic=False, fullgraph=True)
     if dist.is_initialized():
         for p in model.parameters():  # every rank starts from rank 0's initialisation
             dist.broadcast(p.detach(), 0)
     adam, muon = build_optimizers(model, args)
-    if rt.compile:
+    if runtime.compile:
         muon.compile_helpers()
         adam.compile_helpers()
     return model, adam, muon
 
 
-def build_trainer(args: Hyperparameters, rt: Runtime, log_path: Path) -> "Trainer":
-    """Everything a run needs, in one place (run() and bench/bench.py both call this): data checked first, then
-    the process group, the log with its header, the model and optimizers."""
-    train_files, val_file = find_data(args, rt)
-    check_log_dir(log_path.parent)
-    setup_process_group(rt)
-    log = Logger(log_path, rt.master)
-    if rt.master:
+def build_trainer(args: Hyperparameters, runtime: Runtime, log_file: Path, replace_log: bool = False) -> "Trainer":
+    """Everything a run needs, in one place (run() and bench/bench.py both call this): data and output paths checked
+    first, then the process group, the model and optimizers, and last the log with its header."""
+    train_files, val_file = find_data(args, runtime)
+    check_writable(log_file.parent, "--log-dir")
+    setup_process_group(runtime)
+    if args.seed >= 0:
+        torch.manual_seed(args.seed)
+    model, adam, muon = build_model_and_optimizers(args, runtime)
+    log = Logger(log_file, runtime.master, replace=replace_log)
+    if runtime.master:
         print(log.path, flush=True)
     log(Path(__file__).read_text(), console=False)
     log(SEPARATOR, console=False)
     log(f"Running Python {sys.version}", console=False)
     log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}", console=False)
     log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
-    log(rt.config_line(args), console=False)
+    log(runtime.config_line(args), console=False)
+    for note in (*runtime.kernel_notes, muon.grouping_note):
+        if note:
+            log(note)
     if args.train_epochs > 1:
         log(f"note: the loader cycles over the training shards {args.train_epochs} times (--train-epochs)")
     log(nvidia_smi(), console=False)
     log(SEPARATOR, console=False)
-    if args.seed >= 0:
-        torch.manual_seed(args.seed)
-    model, adam, muon = build_model_and_optimizers(args, rt)
-    graphs = MicroBatchGraphs(model, adam, muon.grad_buffers, writes_first=rt.grad_accum_steps == 1) \
-        if rt.cuda_graphs else None
-    return Trainer(args, rt, model, adam, muon, train_files, val_file, log, graphs)
+    graphs = MicroBatchGraphs(model, adam, muon.grad_buffers, writes_first=runtime.grad_accum_steps == 1) \
+        if runtime.cuda_graphs else None
+    return Trainer(args, runtime, model, adam, muon, train_files, val_file, log, graphs)
 
 
 # A bundle of everything compiled for this script, to skip compilation on a fresh machine: PyTorch's portable cache
@@ -3270,26 +3395,31 @@ def load_compile_cache(path: Path) -> tuple[bool, str]:
 
 
 def save_compile_cache(path: Path) -> str:
-    """Write the bundle atomically (rank 0, after the warm-up); returns the line for the log."""
+    """Write the bundle atomically (rank 0, after the warm-up), through a new temporary file of its own in the same
+    folder; returns the line for the log."""
     import json
     import zipfile
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return f"compile cache: nothing was compiled, {path} not written"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     files = 0
-    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
-        z.writestr("key.json", json.dumps(compile_cache_key()))
-        z.writestr("artifacts.bin", saved[0])
-        z.writestr(INDUCTOR_DIR_ENTRY, inductor_cache_dir())
-        for var in COMPILE_CACHE_DIRS:
-            folder = Path(os.environ.get(var, "")) if os.environ.get(var) else None
-            if folder is not None and folder.is_dir():
-                for f in kernel_cache_files(var, folder):
-                    z.write(f, f"{var}/{f.relative_to(folder)}")
-                    files += 1
-    tmp.replace(path)
+    try:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
+            z.writestr("key.json", json.dumps(compile_cache_key()))
+            z.writestr("artifacts.bin", saved[0])
+            z.writestr(INDUCTOR_DIR_ENTRY, inductor_cache_dir())
+            for var in COMPILE_CACHE_DIRS:
+                folder = Path(os.environ.get(var, "")) if os.environ.get(var) else None
+                if folder is not None and folder.is_dir():
+                    for f in kernel_cache_files(var, folder):
+                        z.write(f, f"{var}/{f.relative_to(folder)}")
+                        files += 1
+        Path(tmp).replace(path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     return f"compile cache: wrote {path} ({path.stat().st_size / 2**20:.1f} MB, {files} kernel-cache files)"
 
 
@@ -3319,38 +3449,47 @@ def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
 
 def run(args: Hyperparameters) -> None:
     if args.check or args.check_flags:
-        rt = resolve_runtime(args)
+        runtime = resolve_runtime(args)
         if args.check:
-            find_data(args, rt)
-            check_log_dir(Path(args.log_dir))
-        print(f"check: ok: {rt.world_size} process(es) on {rt.device}, attention {rt.attn_backend}, "
-              f"{rt.grad_accum_steps} micro-batch(es) per step, "
+            find_data(args, runtime)
+            check_outputs(args)
+        print(f"check: ok: {runtime.world_size} process(es) on {runtime.device}, fused kernels {runtime.fused}, "
+              f"{runtime.grad_accum_steps} micro-batch(es) per step, "
               f"data {args.data_path if args.check else 'not checked'}", flush=True)
         return
+    check_outputs(args)
     cache_path, cache_loaded, cache_line = open_compile_cache(args)
-    rt = resolve_runtime(args)
+    runtime = resolve_runtime(args)
     run_id = args.run_id or str(uuid.uuid4())
-    trainer = build_trainer(args, rt, Path(args.log_dir) / f"{run_id}.txt")
+    trainer = build_trainer(args, runtime, log_path(args, run_id), replace_log=args.replace_log)
     log = trainer.log
-    if cache_line:
-        log(cache_line)
-    t_warm = time.time()
-    trainer.warm_up_kernels()
-    cache_note = compile_cache_after_warm_up(cache_path, cache_loaded) if rt.master else ""
-    if cache_note:
-        log(cache_note)
-    caches = compile_cache_counts()
-    log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
-        f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs, Inductor's cache "
-        f"{caches['inductor']['hits']} hits and {caches['inductor']['misses']} misses, AOTAutograd's "
-        f"{caches['aot_autograd']['hits']} and {caches['aot_autograd']['misses']})")
-    result = trainer.train()
-    if dist.is_initialized() and rt.world_size > 1:
+    try:
+        if cache_line:
+            log(cache_line)
+        t_warm = time.time()
+        trainer.where = "during the warm-up"
+        trainer.warm_up_kernels()
+        cache_note = compile_cache_after_warm_up(cache_path, cache_loaded) if runtime.master else ""
+        if cache_note:
+            log(cache_note)
+        caches = compile_cache_counts()
+        log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
+            f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs, Inductor's cache "
+            f"{caches['inductor']['hits']} hits and {caches['inductor']['misses']} misses, AOTAutograd's "
+            f"{caches['aot_autograd']['hits']} and {caches['aot_autograd']['misses']})")
+        result = trainer.train()
+    except (RunStopped, ShardError, DataExhausted) as e:
+        if isinstance(e, Interrupted):
+            e.args = (f"{e} {trainer.where}",)
+        log(f"stopped: {e}" if not isinstance(e, RunStopped) else str(e))
+        e.logged = True
+        raise
+    if dist.is_initialized() and runtime.world_size > 1:
         same = replicas_identical(trainer.model)
-        log(f"replica check: parameters {'bit-identical' if same else 'DIFFER'} across {rt.world_size} ranks")
-    log(peak_memory_line(rt.device))
-    log(summary_line(args, rt, result))
-    if args.save_checkpoint and rt.master:
+        log(f"replica check: parameters {'bit-identical' if same else 'DIFFER'} across {runtime.world_size} ranks")
+    log(peak_memory_line(runtime.device))
+    log(summary_line(args, runtime, result))
+    if args.save_checkpoint and runtime.master:
         path = Path(args.log_dir) / run_id / f"state_step{result.steps:06d}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(dict(step=result.steps, code=Path(__file__).read_text(), model=trainer.model.state_dict(),
@@ -3360,8 +3499,17 @@ def run(args: Hyperparameters) -> None:
 RANK0_REPORT_GRACE_S = 3.0  # how long the other ranks wait for rank 0 to report a config error
 
 
+def stop_on_signal(signum, frame):
+    """SIGINT and SIGTERM end the run through Interrupted: the log's closing line, one console line, exit 128+N."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)  # a second signal (Ctrl-C twice, the launcher's SIGTERM) adds nothing
+    raise Interrupted(signum)
+
+
 def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, stop_on_signal)
     try:
         args = parse_args(argv)
         run(args)
@@ -3376,6 +3524,12 @@ def main(argv=None) -> int:
             # A silent rank that exits first makes torchrun stop rank 0, possibly before its line is out: wait.
             time.sleep(RANK0_REPORT_GRACE_S)
         return 2
+    except RunStopped as stop:
+        if rank == 0 and not getattr(stop, "logged", False):  # stopped before the log existed
+            print(stop, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(stop.status)  # without the process group's teardown, which could wait on ranks already gone
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -170,7 +170,7 @@ def format_table(result: dict) -> str:
         lines.append("before the warm-up: " + ", ".join(f"{k} {v:.1f}s" for k, v in c["before_warm_up_parts_s"].items()))
     if "host_syncs_in_a_stage3_step" in result:
         h = result["host_syncs_in_a_stage3_step"]
-        lines.append(f"attention {result.get('attn_backend', '?')}; synchronising CUDA calls in a stage-3 step: "
+        lines.append(f"fused kernels {result.get('fused', '?')}; synchronising CUDA calls in a stage-3 step: "
                      f"{h['count']}" + (f" (first: {h['first'][0]})" if h["first"] else ""))
     if "optimizers" in result:
         o = result["optimizers"]
@@ -313,7 +313,7 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
     """Median step time per stage; with several processes also the GPU timeline of one profiled step; for the stage
     numbers in profile_stages, one profiled step written to <profile_stem>_stage<N>.txt (GPU busy/idle, top kernels,
     host time by op). reference: ms per step of the record script per stage number, where comparable."""
-    rt = trainer.rt
+    rt = trainer.runtime
     rows, step = [], 0
     for stage_no, stage in enumerate(tg.stages(args), start=1):  # the extension is number 4: no reference
         name, bs = stage.name, stage.batch_size
@@ -398,15 +398,15 @@ def check_cuda_graphs(trainer, args) -> dict:
                         for group in trainer.adam.param_groups:
                             for p in group["params"]:
                                 p.grad = torch.zeros_like(p)
-                    losses[name] = []
                     # an odd step: with several processes its last micro-batch launches Adam's reduce-scatters
-                    trainer.train_step(1, trainer.new_batches(stage.batch_size), None, stage.ws_short,
-                                       stage.ws_long, trainer.rt.grad_accum_steps, losses[name], optimize=False)
+                    losses[name] = trainer.accumulate_gradients(1, trainer.new_batches(stage.batch_size), None,
+                                                                stage.ws_short, stage.ws_long,
+                                                                trainer.runtime.grad_accum_steps)
                     trainer.adam.should_sync = False
                     averaged = [trainer.adam._grad_slices[p] for p in trainer.adam.join_reduce_scatters()]
                     trainer.adam._pending.clear()  # no optimizer step follows
                     grads[name] = [g.detach().float().clone() for g in [p.grad for p in model.parameters()] + averaged]
-                    losses[name] = [x.float() for x in losses[name]]
+                    losses[name] = [x.float().clone() for x in losses[name]]
                 rows.append(dict(stage=stage.name,
                                  losses_graphs_vs_eager=differences(losses["graphs"], losses["eager"]),
                                  losses_eager_vs_eager=differences(losses["eager_again"], losses["eager"]),
@@ -419,7 +419,7 @@ def check_cuda_graphs(trainer, args) -> dict:
         model.yarn.reset()
     return dict(what="one step per stage from the same weights and batches: each micro-batch's loss and the "
                      "step's gradients (with several processes also DistAdam's reduce-scattered averages)",
-                world_size=trainer.rt.world_size, captures=graphs.captures, stages=rows)
+                world_size=trainer.runtime.world_size, captures=graphs.captures, stages=rows)
 
 
 def measure_optimizers(trainer, args, repeats: int = 20) -> dict:
@@ -463,9 +463,9 @@ def stage3_step(trainer, args):
     stage = tg.stages(args)[-2]  # the last scheduled stage
     batches = trainer.new_batches(stage.batch_size)
     windows = (stage.ws_short, stage.ws_long)
-    trainer.train_step(0, batches, None, *windows, trainer.rt.grad_accum_steps)
+    trainer.train_step(0, batches, None, *windows, trainer.runtime.grad_accum_steps)
     torch.cuda.synchronize()
-    return lambda: trainer.train_step(1, batches, None, *windows, trainer.rt.grad_accum_steps)
+    return lambda: trainer.train_step(1, batches, None, *windows, trainer.runtime.grad_accum_steps)
 
 
 def count_host_syncs(trainer, args) -> dict:
@@ -519,7 +519,7 @@ def profiled(step, title: str) -> str:
 
 def measure_profile(trainer, args, out_path: Path, master: bool = True) -> str:
     text = profiled(stage3_step(trainer, args), f"bench: stage-3 step (odd: NorMuon + DistAdam), world size "
-                                                f"{trainer.rt.world_size}")
+                                                f"{trainer.runtime.world_size}")
     if master:
         out_path.write_text(text)
     return text
@@ -555,6 +555,12 @@ def compile_report() -> dict:
                 aot_autograd_cache=counts["aot_autograd"])
 
 
+def runtime_record(runtime) -> dict:
+    """The trainer's resolved runtime, JSON-ready (the kernels as the names of the fused ones in use)."""
+    record = {f.name: getattr(runtime, f.name) for f in dataclasses.fields(runtime) if f.name != "kernels"}
+    return dict(record, kernel_notes=list(runtime.kernel_notes), fused=runtime.fused)
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -585,7 +591,7 @@ def main(argv=None) -> int:
                     help="run each rank as a rank of a K-GPU run does: 8 // K micro-batches per step of 1/8 of the "
                          "stage's batch each (the global batch shrinks by W/K; timing only). Default: this run's W")
     ap.add_argument("train_flags", nargs="*", metavar="-- TRAIN_FLAGS",
-                    help="train_gpt.py flags for an A/B, after `--` (e.g. -- --attn-backend varlen --fp8 off)")
+                    help="train_gpt.py flags for an A/B, after `--` (e.g. -- --kernels plain)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: bench.py needs a CUDA GPU (it times the real kernels)", file=sys.stderr)
@@ -619,11 +625,12 @@ def main(argv=None) -> int:
     rt = dataclasses.replace(rt, grad_accum_steps=tg.grad_accum_steps_for(as_world))
     parts["kernel libraries"] = time.time() - t  # resolving the backends imports FA4's and quack's CuTe DSL
     t = time.time()
-    trainer = tg.build_trainer(args, rt, out.parent / "bench_log.txt")
+    trainer = tg.build_trainer(args, rt, out.with_name(out.stem + "_trainer_log.txt"), replace_log=True)
     parts["process group, model and optimizers"] = time.time() - t
     t = time.time()
     trainer.warm_up_kernels()
     warm_up_s = time.time() - t
+    warm_up_peak = dict(zip(("allocated_mib", "reserved_mib", "graphs_pool_mib"), tg.peak_memory("cuda")))
     this_process_s = time.time() - tg.PROCESS_START - data_s
     cache_note = tg.compile_cache_after_warm_up(cache_path, cache_loaded) if master else ""  # as the trainer
     if cache_note:
@@ -633,6 +640,7 @@ def main(argv=None) -> int:
                 triton_cache_dir=os.environ.get("TRITON_CACHE_DIR", ""),
                 triton_cache_mb_after=folder_mb(Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))),
                 before_warm_up_parts_s=parts, warm_up_parts_s=dict(trainer.warm_up_times),
+                peak_memory_through_warm_up=warm_up_peak,
                 compile_cache=cache_line, **compile_report())
     say = print if master else (lambda *_, **__: None)
     say(f"cold start {cold['this_process_s']:.1f}s (warm-up {warm_up_s:.1f}s)", flush=True)
@@ -649,8 +657,8 @@ def main(argv=None) -> int:
         date=datetime.date.today().isoformat(), command=" ".join([Path(sys.executable).name, *sys.argv]),
         world_size=world, as_world_size=as_world,
         data="synthetic document-structured tokens (log-normal lengths, median 600)",
-        train_flags=a.train_flags, runtime=dataclasses.asdict(trainer.rt), fused_fp8_head=args.fused_fp8_head,
-        matmul_params=n_params, bf16_peak_tflops=peak / 1e12, attn_backend=trainer.rt.attn_backend, fp8=trainer.rt.fp8)
+        train_flags=a.train_flags, runtime=runtime_record(trainer.runtime), kernels=args.kernels,
+        fused=trainer.runtime.fused, matmul_params=n_params, bf16_peak_tflops=peak / 1e12, fp8=trainer.runtime.fp8)
     result["cold_start"] = cold
     result["timed_steps_recompiles"] = "none: every timed step ran under train_gpt.no_compiles_allowed()"
     profile_stages = tuple(int(n) for n in a.profile_stages.split(",") if n.strip())

@@ -60,7 +60,7 @@ _NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|[-+]?nan|[-+]?inf"
 _EXTRA = r"(?:\s+\S.*)?\s*$"  # tolerate extra fields after step_avg
 VAL_RE = re.compile(rf"^step:(\d+)/(\d+) val_loss:({_NUM}) train_time:({_NUM})ms step_avg:({_NUM})ms{_EXTRA}")
 TRAIN_RE = re.compile(rf"^step:(\d+)/(\d+) train_time:({_NUM})ms step_avg:({_NUM})ms{_EXTRA}")
-PEAK_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB\s*$")
+PEAK_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB(?: graphs' pool: \d+ MiB)?\s*$")
 PY_RE = re.compile(r"^Running Python (.+?)\s*$")
 TORCH_RE = re.compile(r"^Running PyTorch (\S+) compiled for CUDA (\S+)\s*$")
 TRITON_RE = re.compile(r"^Running Triton version (.+?)\s*$")
@@ -108,7 +108,7 @@ class Run:
     step_avg = property(lambda self: self.final[4])
     steps = property(lambda self: self.final[1])
     device = property(lambda self: self.config.get("device"))
-    attn_backend = property(lambda self: self.config.get("attn_backend"))
+    kernels = property(lambda self: self.config.get("fused") or self.config.get("attn_backend"))  # older logs
     orthogonalizer = property(lambda self: self.config.get("orthogonalizer"))
 
     @property
@@ -480,8 +480,8 @@ def summary_text(s: SetStats, level: int = 2) -> str:
         runs = table(["run", "val_loss", "time_s", "step_avg_ms", "steps", "peak_alloc_MiB", "peak_reserved_MiB"],
                      [[r.name, f"{r.loss:.4f}", f"{r.time_s:.3f}", f"{r.step_avg:.2f}", r.steps, short(r.peak_alloc),
                        short(r.peak_reserved)] for r in s.runs], "lrrrrrr")
-        env = table(["run", "torch", "triton", "hardware", "attn_backend", "orthogonalizer", "warmup_s"],
-                    [[r.name, short(r.torch), short(r.triton), r.hardware, short(r.attn_backend),
+        env = table(["run", "torch", "triton", "hardware", "fused kernels", "orthogonalizer", "warmup_s"],
+                    [[r.name, short(r.torch), short(r.triton), r.hardware, short(r.kernels),
                       short(r.orthogonalizer), "-" if r.warmup_s is None else f"{r.warmup_s:.1f}"] for r in s.runs])
         (lm, ls), (tm, ts) = s.loss_ms(), s.time_ms()
         stat = table(["metric", "n", "mean", "std", "min", "max"], [

@@ -1,15 +1,15 @@
-"""Fused softcap/CE backward kernel: tile variants against the unfused path, on one stage-3 micro-batch (GPU).
+"""Fused softcap/CE backward kernel: tile variants against the plain head, on one stage-3 micro-batch (GPU).
 
     python bench/kernels/ce_kernel_bench.py --out ce_kernel.json  # prints a table, then `best: BT,BV,W` or `best: unfused`
 
-The unfused path is what the trainer runs with --fused-fp8-head 0: Inductor's kernel for the bf16 softcap/CE
-gradient and its e5m2 cast (compiled), then the tiled transpose_bytes kernel. Every fused variant must produce the
-same e5m2 bytes as the PyTorch reference formula (up to a handful of last-bit flips, share reported) and a
+The unfused path is the plain head's (--kernels plain): autograd's gradient of F.cross_entropy on the softcapped
+logits, compiled by Inductor, its e5m2 cast, then the tiled transpose_bytes kernel. Every fused variant must produce
+the same e5m2 bytes as that formula (up to a handful of last-bit flips, share reported) and a
 transpose that is exactly the transposed (T, V) output. Every tile also runs with fast math, the trainer's math
 (rows "BT,BV,W,fast"): their bytes differ where tanh.approx moves a value across an e5m2 rounding boundary; rel_diff is the
 gradient's relative difference from the reference formula, and `best with fast math` the fastest of those rows.
 
-Then the forward (the log-sum-exp pass): Inductor's compiled softcap_ce_forward, which the unfused head traces,
+Then the forward (the log-sum-exp pass): Inductor's compile of the plain head's loss and log-sum-exp,
 against the fused head's Triton pass at several tiles, exact and fast math; each fused row reports its largest
 log-sum-exp difference from Inductor's and the relative difference of the summed loss."""
 import argparse
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
@@ -25,6 +26,20 @@ import train_gpt as tg  # noqa: E402
 VARIANTS = [(128, 128, 8), (64, 128, 8), (64, 128, 4), (64, 256, 8), (32, 256, 8), (32, 256, 4), (32, 128, 4),
             (32, 128, 2), (32, 64, 2), (16, 256, 4), (16, 128, 4), (64, 64, 4), (128, 64, 4)]
 FORWARD_VARIANTS = [(1, 2048, 8), (2, 2048, 8), (4, 1024, 8), (4, 2048, 8), (8, 512, 8), (8, 1024, 8)]
+
+
+def plain_forward(logits, targets):
+    """(the plain head's summed loss, the per-token log-sum-exp of the softcapped logits)."""
+    z = tg.softcap(logits.float())
+    return F.cross_entropy(z, targets, reduction="sum"), torch.logsumexp(z, dim=-1)
+
+
+def plain_backward(logits, lse, targets, grad, grad_s):
+    """The plain head's e5m2 gradient operand: autograd's bf16 gradient of its logits, / grad_s, e5m2."""
+    with torch.enable_grad():
+        x = logits.detach().requires_grad_()
+        (g,) = torch.autograd.grad(F.cross_entropy(tg.softcap(x.float()), targets, reduction="sum") * grad, x)
+    return tg.quantize_e5m2(g, grad_s), None
 
 
 def main(argv=None) -> int:
@@ -42,11 +57,11 @@ def main(argv=None) -> int:
     w = (torch.randn(V, 768, device="cuda") * 0.05).bfloat16()
     logits = tg.lm_head_fp8(x, w)
     targets = torch.randint(0, V, (T,), device="cuda")
-    lse = tg.softcap_ce_forward(logits, targets)[1]
+    lse = plain_forward(logits, targets)[1]
     grad = torch.tensor(0.125, device="cuda")
-    ref, _ = tg.softcap_ce_backward_reference(logits, lse, targets, grad, tg.FP8_GRAD_SCALE)
+    ref, _ = plain_backward(logits, lse, targets, grad, tg.FP8_GRAD_SCALE)
     ref = ref.view(torch.uint8)
-    unfused_g = torch.compile(lambda *args: tg.softcap_ce_backward_reference(*args)[0], fullgraph=True, dynamic=False)
+    unfused_g = torch.compile(lambda *args: plain_backward(*args)[0], dynamic=False)
 
     def unfused():
         g = unfused_g(logits, lse, targets, grad, tg.FP8_GRAD_SCALE)
@@ -60,7 +75,8 @@ def main(argv=None) -> int:
         name = ",".join(map(str, cfg)) + (",fast" if fast else "")
 
         def fused(cfg=cfg, fast=fast):
-            tg.launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, tg.FP8_GRAD_SCALE, True, True, cfg,
+            tg.CE_BACKWARD_TILE = cfg
+            tg.launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, tg.FP8_GRAD_SCALE, True, True,
                                           fast_math=fast)
         out.fill_(255)
         out_t.fill_(255)
@@ -104,7 +120,7 @@ def forward_rows(logits, targets):
     """The forward's log-sum-exp pass: Inductor's against our Triton kernel's tiles (exact and fast math)."""
     import triton.testing
     T, V = logits.shape
-    inductor = torch.compile(tg.softcap_ce_forward, fullgraph=True, dynamic=False)
+    inductor = torch.compile(plain_forward, fullgraph=True, dynamic=False)
     loss_ref, lse_ref = inductor(logits, targets)
     rows = {"inductor": dict(ms=triton.testing.do_bench(lambda: inductor(logits, targets), warmup=10, rep=100,
                                                         return_mode="median"))}
@@ -114,7 +130,8 @@ def forward_rows(logits, targets):
             name = ",".join(map(str, cfg)) + (",fast" if fast else "")
 
             def fused(cfg=cfg, fast=fast):
-                tg.launch_softcap_ce_forward(logits, targets, lse, per_token, fast, tile=cfg)
+                tg.CE_FORWARD_TILE = cfg
+                tg.launch_softcap_ce_forward(logits, targets, lse, per_token, fast)
             try:
                 fused()
                 torch.cuda.synchronize()

@@ -38,7 +38,7 @@ def step_collectives(world: int) -> list:
         by_label.setdefault(p.label, []).append(p)
     out = []
     normuon = [p for p in model.parameters() if p.label in tg.NORMUON_LABEL_ORDER]
-    for name, ps in tg.normuon_groups(normuon, world):
+    for name, ps in tg.normuon_groups(normuon, world)[0]:
         chunk = math.ceil(len(ps) / world)
         nbytes = chunk * world * ps[0].numel() * ps[0].element_size()
         for op in ("reduce_scatter", "all_gather"):
