@@ -16,6 +16,13 @@ whole input has been read and tokenized without error, so a failed run never lea
 Output is deterministic: the same inputs give byte-identical shards whatever --workers is.
 
 The GPT-2 BPE files ship with the repo in data/tiktoken_cache (TIKTOKEN_CACHE_DIR), so no network is needed.
+
+Exit status: 0 ok; 2 for every failure the user can fix, as one line on stderr saying what is wrong and what to do:
+a bad command line (found before anything is read or created), bad input data (malformed JSON, a record without a
+string "text", invalid UTF-8, a truncated or corrupt .gz/.xz/.parquet, no documents), an --out-dir that cannot be
+created or written (disk full), a missing package, an unreachable Hub for --version; 130 on Ctrl-C, 143 on SIGTERM.
+Exit status 1 is left to internal failures (a bug in this script): Python's traceback, worth reporting. Whatever
+the failure, no shard is left under a final name and the output folder is removed if this run created it.
 """
 import argparse
 import ast
@@ -68,12 +75,19 @@ HF_VERSIONS = {"10B": "sample-10BT", "100B": "sample-100BT"}
 
 
 class BuildError(Exception):
-    """Bad input data found while building: reported as one line on stderr, exit status 1."""
+    """A failure the user can fix (bad input data, an unwritable --out-dir, a missing package, no network for
+    --version), found while building: one line on stderr saying what is wrong and what to do, exit status 2."""
 
 
 class UsageError(BuildError):
     """A bad command line, found before anything is read or created (a missing or unsupported input path, an
     --out-dir that cannot be a folder): one line on stderr, exit status 2, like argparse's own errors."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line (library messages may span several)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def shard_name(index: int) -> str:
@@ -135,7 +149,16 @@ def make_out_dir(path: Path) -> list:
     while not os.path.lexists(d):
         created.append(d)
         d = d.parent
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. a read-only or virtual file system (/proc), which os.access does not reveal
+        for d in created:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise BuildError(f"cannot create --out-dir {path}: {e.strerror or one_line(e)}; choose another --out-dir") \
+            from None
     return created
 
 
@@ -149,7 +172,11 @@ def _utf8_error(path, data: bytes, err: UnicodeDecodeError, base_offset=0, line=
 
 
 def read_txt(path: Path, docs_sep: bool):
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BuildError(f"{path}: cannot read: {e.strerror or one_line(e)}; check the file and its permissions") \
+            from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -181,16 +208,22 @@ def read_jsonl(path: Path, fmt: str):
                     continue  # blank lines (e.g. a trailing newline) are not records
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise BuildError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+                except (ValueError, RecursionError) as e:  # also a too-long integer, a too-deep nesting
+                    why = (f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else
+                           "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0])
+                    raise BuildError(f"{path}:{lineno}: malformed JSON ({why}); "
+                                     f"fix or remove that line (one JSON object per line)") from None
                 if not isinstance(record, dict) or "text" not in record:
-                    raise BuildError(f"{path}:{lineno}: record has no \"text\" field")
+                    raise BuildError(f"{path}:{lineno}: record has no \"text\" field; every line must be a JSON "
+                                     f"object whose \"text\" holds the document")
                 text = record["text"]
                 if not isinstance(text, str):
-                    raise BuildError(f"{path}:{lineno}: \"text\" is {type(text).__name__}, expected a string")
+                    raise BuildError(f"{path}:{lineno}: \"text\" is {type(text).__name__}, expected a string; "
+                                     f"fix or remove that line")
                 yield text
     except (OSError, EOFError, lzma.LZMAError) as e:
-        raise BuildError(f"{path}: cannot read{f' after line {lineno}' if lineno else ''}: {e}") from None
+        raise BuildError(f"{path}: cannot read{f' after line {lineno}' if lineno else ''}: {one_line(e)}; "
+                         f"the file is unreadable, truncated or not {fmt[1:]}: copy or compress it again") from None
 
 
 def read_parquet(path: Path):
@@ -202,21 +235,23 @@ def read_parquet(path: Path):
     try:
         pf = pq.ParquetFile(path)
         if "text" not in pf.schema_arrow.names:
-            raise BuildError(f"{path}: no \"text\" column (columns: {', '.join(pf.schema_arrow.names)})")
+            raise BuildError(f"{path}: no \"text\" column (columns: {', '.join(pf.schema_arrow.names)}); "
+                             f"write the documents to a string column named \"text\"")
         for batch in pf.iter_batches(columns=["text"], batch_size=1024):
             for text in batch.column(0).to_pylist():
                 row += 1
                 if not isinstance(text, str):
-                    raise BuildError(f"{path}: row {row}: \"text\" is {type(text).__name__}, expected a string")
+                    raise BuildError(f"{path}: row {row}: \"text\" is {type(text).__name__}, expected a string; "
+                                     f"drop or fix that row")
                 yield text
     except BuildError:
         raise
     except UnicodeDecodeError as e:
-        raise BuildError(f"{path}: invalid UTF-8 in \"text\" near row {row + 1} ({e.reason}); inputs must be UTF-8") \
-            from None
+        raise BuildError(f"{path}: invalid UTF-8 in \"text\" near row {row + 1} ({e.reason}); inputs must be UTF-8, "
+                         f"re-encode the column") from None
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for files that are not parquet
-        raise BuildError(f"{path}: cannot read parquet: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
-            from None
+        raise BuildError(f"{path}: cannot read parquet: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
+                         f"the file is unreadable, truncated or not parquet: export it again") from None
 
 
 def read_documents(paths, docs_sep: bool):
@@ -236,9 +271,15 @@ def read_hf_fineweb(version: str):
     except ImportError:
         raise BuildError("--version streams from the Hugging Face Hub and needs the `datasets` package: "
                          "pip install datasets") from None
-    ds = load_dataset("HuggingFaceFW/fineweb", name=HF_VERSIONS[version], split="train", streaming=True)
-    for record in ds:
-        yield record["text"]
+    # Network failures (offline, Hub down) come from deep inside `datasets`, as many exception types.
+    try:
+        ds = load_dataset("HuggingFaceFW/fineweb", name=HF_VERSIONS[version], split="train", streaming=True)
+        for record in ds:
+            yield record["text"]
+    except Exception as e:
+        raise BuildError(f"cannot stream HuggingFaceFW/fineweb {HF_VERSIONS[version]} from the Hugging Face Hub: "
+                         f"{one_line(e)[:300]}; check the network (or HF_ENDPOINT), or build shards from local "
+                         f"files with --input (offline: ./run.sh proxy)") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -258,7 +299,8 @@ def _load_encoding():
             _ENC = tiktoken.get_encoding("gpt2")
         except Exception as e:
             raise BuildError(f"cannot load the GPT-2 tokenizer from {os.environ['TIKTOKEN_CACHE_DIR']}: "
-                             f"{type(e).__name__}: {str(e)[:200]}") from None
+                             f"{one_line(e)[:200]}; restore data/tiktoken_cache (git checkout data/tiktoken_cache) "
+                             f"or unset TIKTOKEN_CACHE_DIR") from None
 
 
 def _init_worker():
@@ -283,7 +325,8 @@ def tokenize(text: str) -> np.ndarray:
 # Writing shards.
 
 class ShardWriter:
-    """Streams tokens into DIR/<shard>.tmp files; commit() renames them all, abort() deletes them."""
+    """Streams tokens into DIR/<shard>.tmp files; commit() renames them all, abort() deletes them. A failed write
+    (disk full, I/O error) is a BuildError naming the shard."""
 
     def __init__(self, out_dir: Path, limit):
         self.out_dir = out_dir
@@ -302,18 +345,28 @@ class ShardWriter:
             if self.count + take > MAX_SHARD_TOKENS:
                 raise BuildError(f"shard {shard_name(self.index)} would exceed {MAX_SHARD_TOKENS} tokens "
                                  f"(the header's int32 count): use a smaller validation input")
-            self.file.write(memoryview(tokens[pos:pos + take]))
+            try:
+                self.file.write(memoryview(tokens[pos:pos + take]))
+            except OSError as e:
+                raise self._write_error(e) from None
             self.count += take
             pos += take
             if self.limit is not None and self.count == self.limit:
                 self.end_shard()
 
+    def _write_error(self, e: OSError) -> BuildError:
+        return BuildError(f"cannot write {shard_name(self.index)} in {self.out_dir}: {e.strerror or one_line(e)}; "
+                          f"free space there or choose another --out-dir")
+
     def _open(self):
         final = self.out_dir / shard_name(self.index)
         tmp = final.with_name(final.name + ".tmp")
-        self.file = open(tmp, "wb")
-        self.written.append([tmp, final, 0])
-        self.file.write(bytes(HEADER_INTS * 4))  # placeholder, rewritten once the token count is known
+        try:
+            self.file = open(tmp, "wb")
+            self.written.append([tmp, final, 0])
+            self.file.write(bytes(HEADER_INTS * 4))  # placeholder, rewritten once the token count is known
+        except OSError as e:
+            raise self._write_error(e) from None
 
     def end_shard(self):
         """Finish the current shard (if it holds any tokens); the next token starts shard index + 1."""
@@ -321,9 +374,12 @@ class ShardWriter:
             return
         header = np.zeros(HEADER_INTS, dtype="<i4")
         header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, self.count
-        self.file.seek(0)
-        self.file.write(header.tobytes())
-        self.file.close()
+        try:
+            self.file.seek(0)
+            self.file.write(header.tobytes())
+            self.file.close()  # flushes: a full disk may only show here
+        except OSError as e:
+            raise self._write_error(e) from None
         self.file = None
         self.written[-1][2] = self.count
         self.index += 1
@@ -331,11 +387,18 @@ class ShardWriter:
 
     def commit(self):
         for tmp, final, _ in self.written:
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except OSError as e:
+                raise BuildError(f"cannot rename {tmp.name} to {final.name} in {self.out_dir}: "
+                                 f"{e.strerror or one_line(e)}; check that folder, then build again") from None
 
     def abort(self):
         if self.file is not None:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:  # the write that failed (disk full) may fail again on the final flush
+                pass
             self.file = None
         for tmp, _, _ in self.written:
             try:
@@ -385,7 +448,8 @@ def parse_args(argv=None):
 
 def build(args) -> dict:
     """Tokenize and write all shards; return counts. Raises UsageError on a bad command line (before anything is
-    created), BuildError on bad input data (a folder it created for the output is removed again)."""
+    created), BuildError on bad input data or an unwritable output (a folder it created for the output is removed
+    again)."""
     problem = out_dir_problem(args.out_dir)
     if problem:
         raise UsageError(problem)
@@ -424,7 +488,8 @@ def build(args) -> dict:
             for tokens in encode(stream()):
                 if tokens is None:  # validation input finished: it is shard 0 alone, train starts at shard 1
                     if stats["docs"] == 0:
-                        raise BuildError(f"no documents in --val-input {' '.join(map(str, val_paths))}")
+                        raise BuildError(f"no documents in --val-input {' '.join(map(str, val_paths))} (empty "
+                                         f"files, blank lines only?); pass validation files that hold documents")
                     stats["val_docs"], stats["val_tokens"] = stats["docs"], stats["tokens"]
                     writer.end_shard()
                     writer.limit = args.shard_size
@@ -449,7 +514,9 @@ def build(args) -> dict:
         train_docs = stats["docs"] - stats["val_docs"]
         if train_docs == 0:
             what = " ".join(map(str, train_paths)) if train_paths else f"--version {args.version}"
-            raise BuildError(f"no documents in {what}" + (" (empty files, blank lines only?)" if train_paths else ""))
+            raise BuildError(f"no documents in {what}" + (" (empty files, blank lines only?); pass the files that "
+                                                           "hold the documents" if train_paths else
+                                                           "; try again later, or build from local files with --input"))
         writer.commit()
         # Shards left over from an earlier, larger build would be globbed by the trainer: remove them.
         finals = {final.name for _, final, _ in writer.written}
@@ -479,9 +546,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         stats = build(args)
-    except BuildError as e:
+    except BuildError as e:  # anything the user can fix; a bug stays a traceback (exit status 1)
         print(f"fineweb.py: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, UsageError) else 1
+        return 2
     except KeyboardInterrupt:
         print("fineweb.py: interrupted, no shards written", file=sys.stderr)
         return 130

@@ -81,7 +81,7 @@ def test_fineweb_bad_data_removes_the_folders_it_created(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": broken}\n')
     out = tmp_path / "a" / "b" / "out"
-    assert fineweb.main(["--input", str(bad), "--out-dir", str(out), "--workers", "1"]) == 1  # bad data: 1
+    assert fineweb.main(["--input", str(bad), "--out-dir", str(out), "--workers", "1"]) == 2
     assert "bad.jsonl:2: malformed JSON" in one_error_line(capsys.readouterr().err, "fineweb.py")
     assert not (tmp_path / "a").exists()
 
@@ -92,12 +92,12 @@ def test_fineweb_bad_data_keeps_an_existing_out_dir(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    assert fineweb.main(["--input", str(bad), "--out-dir", str(out), "--workers", "1"]) == 1
+    assert fineweb.main(["--input", str(bad), "--out-dir", str(out), "--workers", "1"]) == 2
     capsys.readouterr()
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     empty = tmp_path / "empty_out"
     empty.mkdir()
-    assert fineweb.main(["--input", str(bad), "--out-dir", str(empty), "--workers", "1"]) == 1
+    assert fineweb.main(["--input", str(bad), "--out-dir", str(empty), "--workers", "1"]) == 2
     assert empty.is_dir()  # the user's folder, even empty, is not removed
 
 
@@ -106,6 +106,23 @@ def test_fineweb_unwritable_parent(tmp_path, docs, capsys, monkeypatch):
     assert fineweb.main(["--input", str(docs), "--out-dir", str(tmp_path / "out")]) == 2
     assert "no permission to write in" in one_error_line(capsys.readouterr().err, "fineweb.py")
     assert not (tmp_path / "out").exists()
+
+
+def test_fineweb_out_dir_that_cannot_be_created_is_exit_2(tmp_path, docs, capsys, monkeypatch):
+    # os.access says yes, mkdir says no: a read-only or virtual file system (e.g. --out-dir /proc/x).
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self.name == "out":  # its parent can be made, the folder itself cannot
+            real_mkdir(self.parent, parents=True, exist_ok=True)
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    assert fineweb.main(["--input", str(docs), "--out-dir", str(tmp_path / "a" / "out"), "--workers", "1"]) == 2
+    line = one_error_line(capsys.readouterr().err, "fineweb.py")
+    assert "cannot create --out-dir" in line and "Operation not permitted" in line and "another --out-dir" in line
+    assert not (tmp_path / "a").exists()  # the parent made on the way is removed again
 
 
 def test_fineweb_good_build_still_creates_nested_out_dir(tmp_path, docs):

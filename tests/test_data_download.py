@@ -8,8 +8,10 @@ import hashlib
 import importlib.util
 import http.server
 import os
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,8 @@ class FakeHub(http.server.ThreadingHTTPServer):
 
     def __init__(self, files):
         self.files = files  # name -> bytes
+        self.fail_get = {}  # name -> HTTP status its GET answers (its HEAD still succeeds)
+        self.down = None  # an HTTP status every request answers (a Hub that is down)
         self.requests = []  # (method, file name)
         super().__init__(("127.0.0.1", 0), FakeHubHandler)
 
@@ -66,6 +70,11 @@ class FakeHubHandler(http.server.BaseHTTPRequestHandler):
         fname = path[len(RESOLVE):] if path.startswith(RESOLVE) else None
         self.server.requests.append((self.command, fname or path))
         data = self.server.files.get(fname) if fname else None
+        if self.server.down or (body and fname in self.server.fail_get):
+            self.send_response(self.server.down or self.server.fail_get[fname])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if data is None:
             msg = b"Entry not found"
             self.send_response(404)
@@ -106,11 +115,13 @@ def hub():
     server.server_close()
 
 
-def run_script(hub, tmp_path, *args):
+def run_script(hub, tmp_path, *args, port=None, **extra_env):
+    """The script against `hub`, or against whatever listens on 127.0.0.1:port (nothing: offline)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(HF_ENDPOINT=f"http://127.0.0.1:{hub.server_address[1]}", HF_HOME=str(tmp_path / "hf_home"),
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port or hub.server_address[1]}", HF_HOME=str(tmp_path / "hf_home"),
                HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ETAG_TIMEOUT="5",
                HF_HUB_DOWNLOAD_TIMEOUT="5", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    env.update(extra_env)
     for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         env.pop(k, None)
     return run_group([sys.executable, str(SCRIPT), *args, "--out-dir", str(tmp_path / "out")],
@@ -184,3 +195,105 @@ def test_out_of_range_count(n, capsys):
         module.main([n])
     assert exc.value.code == 2
     assert "between 0 and 103" in capsys.readouterr().err
+
+
+# ---- no network: one line, exit 2, within seconds (huggingface_hub alone retries each shard for ~40 s), and no file
+# created, changed or removed ----
+
+def closed_port() -> int:
+    """A local port nothing listens on: connecting is refused at once, as for an unreachable host."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree(root: Path) -> dict:
+    """Every file under root (hidden ones included) -> its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()} \
+        if root.exists() else {}
+
+
+def unreachable_line(r, port) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"cached_fineweb10B.py: error: the Hugging Face Hub at http://127.0.0.1:{port} "
+                               f"is unreachable ("), lines[0]
+    assert "./run.sh proxy" in lines[0] and "HF_ENDPOINT" in lines[0]
+    return lines[0]
+
+
+def test_offline_fails_fast_with_one_line_and_creates_nothing(hub, tmp_path):
+    port = closed_port()
+    t0 = time.monotonic()
+    r = run_script(hub, tmp_path, "3", port=port)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stdout + r.stderr
+    unreachable_line(r, port)
+    assert elapsed < 15, elapsed  # huggingface_hub's retries alone sleep 1+2+4+8+8 s
+    assert not (tmp_path / "out").exists()  # no shard, no .cache/huggingface/*.lock, not even the folder
+    assert tree(tmp_path / "hf_home") == {}  # nor anything in huggingface_hub's own cache
+
+
+@pytest.mark.parametrize("count", ["2", "1"])  # "2": shard 2 is missing; "1": nothing missing, shard 1 invalid
+def test_offline_leaves_files_that_were_there_untouched(hub, tmp_path, count):
+    out = tmp_path / "out"
+    (out / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (out / name(0)).write_bytes(hub.files[name(0)])
+    (out / name(1)).write_bytes(hub.files[name(1)][:-10])  # truncated: would be downloaded again
+    (out / ".cache" / "huggingface" / "download" / f"{name(1)}.lock").write_bytes(b"")  # an earlier run's
+    (out / "notes.txt").write_text("mine")
+    before = tree(out)
+    port = closed_port()
+    r = run_script(hub, tmp_path, count, port=port)
+    assert r.returncode == 2, r.stdout + r.stderr
+    unreachable_line(r, port)
+    assert tree(out) == before  # the invalid shard is not deleted, the old lock is kept, nothing is added
+
+
+def test_silent_hub_fails_within_hf_hub_etag_timeout(hub, tmp_path):
+    # A host that accepts the connection and never answers (a black-holing firewall or proxy): HF_HUB_ETAG_TIMEOUT,
+    # huggingface_hub's own timeout for this HEAD request, bounds the wait.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        t0 = time.monotonic()
+        r = run_script(hub, tmp_path, "1", port=port, HF_HUB_ETAG_TIMEOUT="1")
+        elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Timeout" in unreachable_line(r, port) or "no answer within 1 s" in r.stderr
+    assert elapsed < 15, elapsed
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_answering_503_counts_as_unreachable(hub, tmp_path):
+    hub.down = 503  # huggingface_hub retries a 503 as long as a refused connection
+    t0 = time.monotonic()
+    r = run_script(hub, tmp_path, "1")
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "(HTTP 503)" in unreachable_line(r, hub.server_address[1])
+    assert elapsed < 15, elapsed
+    assert [m for m, _ in hub.requests] == ["HEAD"]  # one request, no retries
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_download_leaves_no_lock_or_partial_file(hub, tmp_path):
+    out = tmp_path / "out"
+    (out / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    old_lock = out / ".cache" / "huggingface" / "download" / f"{name(3)}.lock"
+    old_lock.write_bytes(b"")  # an earlier run's lock: not this run's to remove
+    (out / name(2)).write_bytes(hub.files[name(2)][:-10])  # invalid, and its new download fails
+    hub.fail_get = {name(1): 500, name(2): 500}
+    r = run_script(hub, tmp_path, "3")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert name(1) in r.stderr and name(2) in r.stderr and "re-run the same command" in r.stderr
+    assert not (out / name(1)).exists()
+    assert (out / name(2)).read_bytes() == hub.files[name(2)][:-10]  # set aside during the attempt, then restored
+    for i in (0, 3):
+        assert (out / name(i)).read_bytes() == hub.files[name(i)]
+    assert old_lock.exists()
+    left = [p for p in [*out.rglob("*"), *(tmp_path / "hf_home").rglob("*")]
+            if p.name.endswith((".lock", ".incomplete", ".invalid")) and p != old_lock]
+    assert left == []
+    assert sorted(p.name for p in out.iterdir()) == sorted([".cache", name(0), name(2), name(3)])

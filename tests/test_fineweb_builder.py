@@ -208,11 +208,9 @@ def test_rebuild_replaces_stale_shards(tmp_path):
     assert names(out) == ["fineweb_val_000000.bin"]
 
 
-# ---- bad input: run the real CLI, expect a one-line message naming the problem and nothing left behind: exit 2
-# for a bad command line (an input path that is missing or of an unsupported type: found before anything is read or
-# created), exit 1 for bad data found while building ----
-
-USAGE_CASES = ("missing", "unknown_ext")
+# ---- bad input: run the real CLI, expect exit status 2, a one-line message naming the problem and what to do, and
+# nothing left behind, whether the problem is in the command line (found before anything is read or created) or in
+# the data (found while building, maybe after several shards were written) ----
 
 def _bad_cases(tmp: Path):
     good = write_jsonl(tmp / "good.jsonl", DOCS)
@@ -222,6 +220,8 @@ def _bad_cases(tmp: Path):
     (tmp / "malformed.jsonl").write_text('{"text": "ok"}\n{"text": "ok"}\n{"text": oops}\n')
     (tmp / "notext.jsonl").write_text('{"text": "ok"}\n{"body": "no text field"}\n')
     (tmp / "nulltext.jsonl").write_text('{"text": null}\n')
+    (tmp / "list.jsonl").write_text('["text", "a JSON array, not an object"]\n')
+    (tmp / "deep.jsonl").write_text('{"text": "ok"}\n' + "[" * 100_000 + "\n")  # json.loads: RecursionError
     (tmp / "badutf8.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     (tmp / "badutf8.txt").write_bytes(b"line one\nline \xff two\n")
     (tmp / "empty.jsonl").write_text("\n\n")
@@ -231,20 +231,27 @@ def _bad_cases(tmp: Path):
     with gzip.open(tmp / "trunc.jsonl.gz", "wt") as f:
         f.write('{"text": "x"}\n' * 1000)
     (tmp / "trunc.jsonl.gz").write_bytes((tmp / "trunc.jsonl.gz").read_bytes()[:-20])
+    # case: (arguments, words the error line must hold: what is wrong, then what to do)
     return {
-        "missing": ([tmp / "nope.jsonl"], ["nope.jsonl", "no such file"]),
-        "unknown_ext": ([tmp / "data.csv"], ["data.csv", "unsupported input type"]),
-        "malformed_json": ([good, tmp / "malformed.jsonl"], ["malformed.jsonl:3", "malformed JSON"]),
-        "no_text_field": ([tmp / "notext.jsonl"], ["notext.jsonl:2", '"text"']),
-        "null_text": ([tmp / "nulltext.jsonl"], ["nulltext.jsonl:1", "NoneType"]),
-        "non_utf8_jsonl": ([tmp / "badutf8.jsonl"], ["badutf8.jsonl:2", "invalid UTF-8", "byte offset 28"]),
-        "non_utf8_txt": ([tmp / "badutf8.txt"], ["badutf8.txt:2", "invalid UTF-8", "byte offset 14"]),
-        "empty_jsonl": ([tmp / "empty.jsonl"], ["no documents", "empty.jsonl"]),
-        "empty_txt": ([tmp / "empty.txt"], ["no documents"]),
-        "empty_val": ([good, "--val-input", tmp / "empty.jsonl"], ["no documents in --val-input"]),
-        "not_parquet": ([tmp / "not.parquet"], ["not.parquet", "cannot read parquet"]),
-        "truncated_gz": ([tmp / "trunc.jsonl.gz"], ["trunc.jsonl.gz", "cannot read"]),
-        "late_error": ([many, "--shard-size", 50], ["many.jsonl:101", "malformed JSON"]),
+        "missing": ([tmp / "nope.jsonl"], ["nope.jsonl", "no such file", "check the --input"]),
+        "unknown_ext": ([tmp / "data.csv"], ["data.csv", "unsupported input type", "convert it"]),
+        "malformed_json": ([good, tmp / "malformed.jsonl"], ["malformed.jsonl:3", "malformed JSON",
+                                                             "fix or remove that line"]),
+        "too_deep_json": ([tmp / "deep.jsonl"], ["deep.jsonl:2", "malformed JSON (nested too deeply)",
+                                                 "fix or remove that line"]),
+        "not_an_object": ([tmp / "list.jsonl"], ["list.jsonl:1", 'no "text" field', "must be a JSON object"]),
+        "no_text_field": ([tmp / "notext.jsonl"], ["notext.jsonl:2", '"text"', "must be a JSON object"]),
+        "null_text": ([tmp / "nulltext.jsonl"], ["nulltext.jsonl:1", "NoneType", "fix or remove that line"]),
+        "non_utf8_jsonl": ([tmp / "badutf8.jsonl"], ["badutf8.jsonl:2", "invalid UTF-8", "byte offset 28",
+                                                     "re-encode"]),
+        "non_utf8_txt": ([tmp / "badutf8.txt"], ["badutf8.txt:2", "invalid UTF-8", "byte offset 14", "re-encode"]),
+        "empty_jsonl": ([tmp / "empty.jsonl"], ["no documents", "empty.jsonl", "pass the files that hold"]),
+        "empty_txt": ([tmp / "empty.txt"], ["no documents", "pass the files that hold"]),
+        "empty_val": ([good, "--val-input", tmp / "empty.jsonl"], ["no documents in --val-input",
+                                                                   "pass validation files"]),
+        "not_parquet": ([tmp / "not.parquet"], ["not.parquet", "cannot read parquet", "export it again"]),
+        "truncated_gz": ([tmp / "trunc.jsonl.gz"], ["trunc.jsonl.gz", "cannot read", "compress it again"]),
+        "late_error": ([many, "--shard-size", 50], ["many.jsonl:101", "malformed JSON", "fix or remove that line"]),
     }
 
 
@@ -266,17 +273,86 @@ def bad_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", [
-    "missing", "unknown_ext", "malformed_json", "no_text_field", "null_text", "non_utf8_jsonl", "non_utf8_txt",
-    "empty_jsonl", "empty_txt", "empty_val", "not_parquet", "truncated_gz", "late_error"])
-def test_bad_input(bad_results, case):
+    "missing", "unknown_ext", "malformed_json", "too_deep_json", "not_an_object", "no_text_field", "null_text",
+    "non_utf8_jsonl", "non_utf8_txt", "empty_jsonl", "empty_txt", "empty_val", "not_parquet", "truncated_gz",
+    "late_error"])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(bad_results, case):
     cases, results = bad_results
     out, r = results[case]
-    assert r.returncode == (2 if case in USAGE_CASES else 1), r.stdout + r.stderr
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fineweb.py: error: "), r.stderr
     for needle in cases[case][1]:
         assert needle in lines[0], (needle, lines[0])
     assert not out.exists()  # no shard, no .tmp, not even the (empty) output folder the build created
+
+
+def test_bad_data_leaves_an_earlier_build_untouched(tmp_path, capsys):
+    # Stale shards are removed only after a complete build: a failing one keeps the earlier build as it was.
+    out = tmp_path / "out"
+    assert build("--input", write_jsonl(tmp_path / "d.jsonl", DOCS), "--out-dir", out, "--shard-size", 20) == 0
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert len(before) > 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n' * 50 + '{"text": 3}\n')
+    capsys.readouterr()
+    assert build("--input", bad, "--out-dir", out, "--shard-size", 10, "--workers", 1) == 2
+    line, = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("fineweb.py: error: ") and "bad.jsonl:51" in line and "fix or remove that line" in line
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # no .tmp, no new or removed shard
+
+
+def test_disk_full_while_writing_is_exit_2_and_leaves_no_tmp(tmp_path, capsys, monkeypatch):
+    space = [3000]  # bytes left on the disk: the first shard (1024-byte header + 800) fits, the second does not
+
+    class FullDisk:
+        def __init__(self, path, mode):
+            self.f = open(path, mode)
+
+        def write(self, data):
+            n = len(memoryview(data).cast("B"))
+            if n > space[0]:
+                raise OSError(28, "No space left on device")
+            space[0] -= n
+            return self.f.write(data)
+
+        def seek(self, pos):
+            return self.f.seek(pos)
+
+        def close(self):
+            self.f.close()
+
+    def fake_open(path, mode="r", *args, **kwargs):  # shards are opened "wb", inputs "rb"
+        return FullDisk(path, mode) if "w" in mode else open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(fineweb, "open", fake_open, raising=False)  # the module's name comes before the builtin
+    src = write_jsonl(tmp_path / "d.jsonl", DOCS * 10)
+    out = tmp_path / "new" / "out"
+    assert build("--input", src, "--out-dir", out, "--shard-size", 400, "--workers", 1) == 2
+    line, = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("fineweb.py: error: cannot write fineweb_"), line
+    assert "No space left on device" in line and "free space there or choose another --out-dir" in line
+    assert space[0] < 3000 - 1824  # the first shard was written whole before the disk filled
+    assert not (tmp_path / "new").exists()  # the .tmp shards and the folders this run created are gone
+
+
+def test_version_without_network_is_one_line_exit_2(tmp_path):
+    # A stand-in `datasets` whose streaming fails the way an offline machine does, deep inside the library.
+    stub = tmp_path / "stub" / "datasets"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(
+        "def load_dataset(*args, **kwargs):\n"
+        "    raise ConnectionError(\"Couldn't reach 'HuggingFaceFW/fineweb' on the Hub (LocalEntryNotFoundError)\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "stub"), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "out"
+    r = run_group([sys.executable, str(SCRIPT), "--version", "10B", "--out-dir", str(out), "--workers", "1"],
+                  capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2, r.stderr
+    line, = r.stderr.strip().splitlines()
+    assert line.startswith("fineweb.py: error: cannot stream HuggingFaceFW/fineweb sample-10BT"), line
+    assert "ConnectionError" in line and "check the network" in line and "./run.sh proxy" in line
+    assert not out.exists()
 
 
 def test_bad_options():
