@@ -10,11 +10,17 @@ On a Linux machine with NVIDIA GPUs and internet:
   ./run.sh [TRAIN_ARGS...]        same as `./run.sh train`
   ./run.sh train [TRAIN_ARGS...]  setup-gpu, check TRAIN_ARGS, download 9 FineWeb train shards + the val
                                   shard into data/fineweb10B/ (skipped with --data-path DIR), then
-                                  torchrun --standalone --nproc_per_node=<GPUs> train_gpt.py TRAIN_ARGS
+                                  `./run.sh launch <GPUs> TRAIN_ARGS`
   ./run.sh setup-gpu              pip-install requirements.txt, then requirements-gpu.txt (optional
                                   FlashAttention-4 and quack-kernels; skipped where they do not install)
 
 On any machine, GPU or not:
+  ./run.sh launch NPROC [TRAIN_ARGS...]
+                                  train_gpt.py --check TRAIN_ARGS, then NPROC processes of it under torchrun
+                                  (--standalone), without torchrun's own failure report. Exit status: 0 done, 2 bad
+                                  input, 3 loss went non-finite, 130/143 SIGINT/SIGTERM; any other failure of a
+                                  process adds one run.sh line naming its rank and status. E.g. on a CPU:
+                                  ./run.sh launch 2 --smoke --data-path data/proxy
   ./run.sh setup-cpu              a CPU build of torch, then requirements-dev.txt (runtime packages + pytest).
                                   Keeps an installed torch >= 2.10; else installs from download.pytorch.org/whl/cpu,
                                   or where that is unreachable, the CPU build pip finds elsewhere (never a CUDA
@@ -24,7 +30,7 @@ On any machine, GPU or not:
                                   no network, only `./run.sh setup-cpu` (or requirements-dev.txt) first
   ./run.sh proxy [CORPUS_DIR]     build data/proxy/ shards from CORPUS_DIR/{train,val}.jsonl.xz (offline;
                                   default ../shared/corpus); train on them with --data-path data/proxy,
-                                  e.g. on a CPU: torchrun --standalone --nproc_per_node=2 train_gpt.py --smoke --data-path data/proxy
+                                  e.g. on a CPU: ./run.sh launch 2 --smoke --data-path data/proxy
   ./run.sh record NAME N [OPTIONS] [TRAIN_ARGS...]
                                   run the trainer N times, collect the logs into records/<date>_NAME
                                   (--not-a-record: into logs/not_records/<date>_NAME, no records row)
@@ -39,7 +45,7 @@ EOF
 
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
-COMMANDS="train, setup-gpu, setup-cpu, test, proxy, record, help"
+COMMANDS="train, launch, setup-gpu, setup-cpu, test, proxy, record, help"
 
 die() {  # die EXIT_CODE MESSAGE: one line on stderr
     echo "run.sh: $2" >&2
@@ -63,7 +69,7 @@ require_gpu() {
         cat >&2 <<'EOF'
 run.sh: no NVIDIA GPU found (nvidia-smi is missing or lists no GPU); training the speedrun needs one, so nothing was installed or downloaded.
   CPU test suite:                     ./run.sh setup-cpu && ./run.sh test
-  CPU smoke run on offline proxy data: ./run.sh proxy CORPUS_DIR && torchrun --standalone --nproc_per_node=2 train_gpt.py --smoke --data-path data/proxy
+  CPU smoke run on offline proxy data: ./run.sh proxy CORPUS_DIR && ./run.sh launch 2 --smoke --data-path data/proxy
 EOF
         exit 2
     fi
@@ -132,15 +138,58 @@ usable_gpus() {  # sets N_GPUS from GPUS (require_gpu): 1, 2, 4 or 8 keep the gl
     fi
 }
 
-launch() {  # launch [train_gpt.py args...]; needs N_GPUS from usable_gpus
-    local n=$N_GPUS
+launch() {  # launch NPROC [train_gpt.py args...]: the check, then NPROC workers of train_gpt.py
+    local n=$1
+    shift
     # The device machines have no NVLink multicast: NCCL, symmetric memory and NVSHMEM must not try it.
     export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
         NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
     # Bad flags or data fail here, in one process, as one line with exit status 2; under torchrun every worker
-    # would meet them and torchrun would add its own failure report.
+    # would meet them.
     WORLD_SIZE=$n "$PY" train_gpt.py --check "$@"
-    exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$n" train_gpt.py "$@"
+    # torchrun itself, as a command, answers any failed worker with its own report (a traceback, a "Root Cause"
+    # table, logged "failed (exitcode ...)" lines) and exit status 1, under the trainer's one-line error. Its run()
+    # is called here instead, its loggers quiet: the trainer's own exit status comes out, with at most one line.
+    local quiet_torchrun
+    quiet_torchrun=$(cat <<'EOF'
+import logging, os, signal, sys  # quiet_torchrun NPROC SCRIPT [ARGS...]
+
+# Until torchrun installs its own handlers (before it starts a worker), a signal has nothing to stop but this.
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser, run
+
+# torchrun's modules set their loggers' levels, and torch its own handlers, each on import: only the process-wide
+# switch holds for all of them. This process runs nothing but torchrun.
+logging.disable(logging.ERROR)
+
+TRAINER_REPORTS = {2, 3, 130, 143}  # bad input, non-finite loss, SIGINT, SIGTERM: the trainer said why itself
+nproc, script, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+try:
+    # torchrun's default of OMP_NUM_THREADS=1 per worker (where unset) still applies, without its warning.
+    run(get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", script, *args]))
+    status = 0
+except ChildFailedError as e:
+    rank, failure = e.get_first_failure()  # the others were stopped by torchrun after it
+    status = failure.exitcode
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        print(f"run.sh: rank {rank} was killed by {name} (its output is above)", file=sys.stderr)
+        status = 128 - status
+    elif status not in TRAINER_REPORTS:
+        print(f"run.sh: rank {rank} exited with status {status} (its output is above)", file=sys.stderr)
+except SignalException as e:  # Ctrl-C or a SIGTERM to torchrun: it has already stopped the workers
+    status = 128 + e.sigval
+sys.exit(status)
+EOF
+)
+    exec "$PY" -c "$quiet_torchrun" "$n" train_gpt.py "$@"
 }
 
 train() {
@@ -154,7 +203,7 @@ train() {
         WORLD_SIZE=$N_GPUS "$PY" train_gpt.py --check-flags "$@"
         "$PY" data/cached_fineweb10B.py 9
     fi
-    launch "$@"
+    launch "$N_GPUS" "$@"
 }
 
 CPU_INDEX=https://download.pytorch.org/whl/cpu
@@ -283,6 +332,10 @@ case "${1:-}" in
 esac
 case "$cmd" in
     train) train "$@" ;;
+    launch)
+        [[ ${1:-} =~ ^[1-9][0-9]*$ ]] ||
+            die 2 "launch needs the number of processes first, a positive integer (got '${1:-}'); usage: ./run.sh launch NPROC [TRAIN_ARGS...]"
+        launch "$@" ;;
     setup-gpu | setup-cpu)
         [ $# -eq 0 ] || die 2 "$cmd takes no arguments (got: $*); ./run.sh --help shows the usage"
         if [ "$cmd" = setup-gpu ]; then require_gpu; setup_gpu; else setup_cpu; fi ;;

@@ -7,18 +7,24 @@ missing, whether PyTorch's CPU index answers) from STUB_* environment variables,
 report given in STUB_PIP_TORCH (pip's configured sources) or STUB_LOCAL_TORCH (with --no-index). Two questions of
 setup-cpu go to the real Python, so that their code is tested: which torch to keep (it imports the sandbox's
 stand-in torch, see Sandbox.torch) and the parsing of pip's report.
+
+`./run.sh launch` is also run for real (slow): 2 gloo processes of the trainer on the CPU, which fail, or are
+interrupted, to pin down its exit statuses and that torchrun's own failure report stays out.
 """
 import json
 import os
 import shutil
 import socket
 import subprocess
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from processes import run_group
+from processes import STARTED_GROUPS, group_members, kill_group, run_group
+from proxy_shards import build_shards
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_SH = REPO / "run.sh"
@@ -125,9 +131,16 @@ class Sandbox:
 
     def commands(self):
         """The recorded argv lists, without run.sh's `python -c` questions; a --report file (a temporary one) reads
-        REPORT."""
-        return [[a if prev != "--report" else "REPORT" for prev, a in zip([None] + c["argv"], c["argv"])]
-                for c in self.calls() if c["argv"][:1] != ["-c"]]
+        REPORT, and the quiet torchrun launcher (a `python -c` call too) reads quiet_torchrun, then its arguments."""
+        out = []
+        for c in self.calls():
+            argv = c["argv"]
+            if argv[:1] == ["-c"]:
+                if "quiet_torchrun" not in argv[1]:
+                    continue
+                argv = ["quiet_torchrun", *argv[2:]]
+            out.append([a if prev != "--report" else "REPORT" for prev, a in zip([None] + argv, argv)])
+        return out
 
     def questions(self, tag):
         """The arguments after the code of each `python -c` call whose code holds TAG."""
@@ -150,7 +163,8 @@ DOWNLOAD = ["data/cached_fineweb10B.py", "9"]
 
 
 def torchrun(n, *args):
-    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train_gpt.py", *args]
+    """torchrun's run(), called by run.sh's inline launcher: n processes of train_gpt.py args."""
+    return ["quiet_torchrun", str(n), "train_gpt.py", *args]
 
 
 def check(*args):
@@ -175,7 +189,7 @@ def test_no_gpu_stops_first_and_points_at_the_cpu_paths(box, form, gpus):
     first = r.stderr.splitlines()[0]
     assert first.startswith("run.sh: no NVIDIA GPU found")
     for hint in ("./run.sh setup-cpu && ./run.sh test", "./run.sh proxy CORPUS_DIR",
-                 "torchrun --standalone --nproc_per_node=2 train_gpt.py --smoke --data-path data/proxy"):
+                 "./run.sh launch 2 --smoke --data-path data/proxy"):
         assert hint in r.stderr, hint
 
 
@@ -196,7 +210,8 @@ def test_help_prints_usage_and_does_nothing(box, word):
     r = box.run(word)  # no nvidia-smi at all: help must not care
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Usage: ./run.sh") and r.stderr == ""
-    for command in ("train", "setup-gpu", "setup-cpu", "test", "proxy", "record", "--data-path data/proxy"):
+    for command in ("train", "launch NPROC", "setup-gpu", "setup-cpu", "test", "proxy", "record",
+                    "--data-path data/proxy", "./run.sh launch 2 --smoke --data-path data/proxy"):
         assert command in r.stdout, command
     assert box.calls() == []
 
@@ -317,6 +332,146 @@ def test_setup_gpu_installs_without_downloading_or_training(box):
     r = box.gpus(2).run("setup-gpu")
     assert r.returncode == 0, r.stderr
     assert box.commands() == [REQS, GPU_REQS, BYTECODE]
+
+
+# ---- launch: the check, then torchrun without its failure report ------------------------------------------------
+
+def test_launch_checks_then_starts_nproc_processes_without_a_gpu(box):
+    r = box.run("launch", "2", "--smoke", "--data-path", "data/proxy")  # no nvidia-smi: launch does not need one
+    assert r.returncode == 0, r.stderr
+    assert box.commands() == [check("--smoke", "--data-path", "data/proxy"), torchrun(2, "--smoke", "--data-path",
+                                                                                      "data/proxy")]
+    assert box.calls()[0]["env"]["WORLD_SIZE"] == "2"
+    assert box.calls()[-1]["env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                      "NVSHMEM_DISABLE_NVLS": "1", "WORLD_SIZE": None}
+
+
+def test_launch_stops_at_a_failed_check(box):
+    r = box.run("launch", "4", "--orthogonalizer", "newton", STUB_CHECK_RC="2")
+    assert r.returncode == 2
+    assert box.commands() == [check("--orthogonalizer", "newton")]
+    assert r.stderr.splitlines() == ["error: --orthogonalizer: invalid choice (see --help)"]
+
+
+@pytest.mark.parametrize("args", [[], ["0"], ["-1"], ["two"], ["2.0"], ["--smoke"]])
+def test_launch_needs_a_positive_process_count_first(box, args):
+    r = box.run("launch", *args)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and "positive integer" in lines[0] and "./run.sh launch NPROC" in lines[0], r.stderr
+    assert box.calls() == []
+
+
+# The same, for real: 2 gloo processes of the trainer on the CPU, each run a few seconds of torch imports.
+
+# Put first on PYTHONPATH, this makes worker FAIL_RANK (and no other process: the check and torchrun have no RANK)
+# fail as FAIL_HOW says at its start: a crash with that exit status, or killed by SIGKILL as by the OOM killer.
+# Its sibling is then stopped by torchrun while still importing torch, before the trainer could say anything.
+FAILING_WORKER = """import os, signal
+if os.environ.get("RANK") == os.environ["FAIL_RANK"]:
+    print(f"stand-in failure on rank {os.environ['RANK']}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
+          flush=True)
+    if os.environ["FAIL_HOW"] == "SIGKILL":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(int(os.environ["FAIL_HOW"]))
+"""
+# What torchrun's own report and logs are made of; none of it is in a worker's output (frames of the trainer, or of
+# torch/distributed/distributed_c10d.py, are).
+TORCHRUN_REPORT = ("ChildFailedError", "Root Cause", "exitcode", "SignalException", "death signal", "*****",
+                   "torch/distributed/elastic", "torch/distributed/launcher", "torch/distributed/run.py",
+                   'File "<string>"')
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("launch_data")
+    build_shards(folder, train_shards=2, tokens_per_train_shard=100_000, val_tokens=10_000)
+    return folder
+
+
+def real_launch_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "OMP_NUM_THREADS", "PYTHONPATH") + LAUNCH_ENV
+           and k not in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "PYTHON": sys.executable, "PYTHONWARNINGS": "ignore", **extra}
+
+
+def tiny_run(shards, tmp_path, *extra):
+    return ["--smoke", "--device", "cpu", "--data-path", str(shards), "--log-dir", str(tmp_path / "logs"),
+            "--num-scheduled-iterations", "6", "--num-extension-iterations", "0", *extra]
+
+
+@pytest.mark.slow
+def test_launch_bad_flag_is_the_trainers_one_line_and_exit_2(shards, tmp_path):
+    r = run_group(["bash", str(RUN_SH), "launch", "2", *tiny_run(shards, tmp_path, "--val-tokens", "abc")],
+                  env=real_launch_env(), timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "--val-tokens" in lines[0], r.stderr
+    assert r.stdout == "" and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank, how, status, line", [
+    ("1", "7", 7, "run.sh: rank 1 exited with status 7 (its output is above)"),
+    ("0", "SIGKILL", 137, "run.sh: rank 0 was killed by SIGKILL (its output is above)"),
+    ("1", "3", 3, None)], ids=["crash", "killed", "status-the-trainer-reports"])
+def test_launch_exits_with_a_failed_workers_status_and_at_most_one_line(shards, tmp_path, rank, how, status, line):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(FAILING_WORKER)
+    env = real_launch_env(PYTHONPATH=str(tmp_path / "site"), FAIL_RANK=rank, FAIL_HOW=how)
+    r = run_group(["bash", str(RUN_SH), "launch", "2", *tiny_run(shards, tmp_path)], env=env, timeout=90,
+                  stdin=subprocess.DEVNULL)
+    assert r.returncode == status, r.stdout + r.stderr
+    assert r.stderr.splitlines() == ([line] if line else []), r.stderr
+    # torchrun's default of one thread per worker holds, without its warning
+    assert f"stand-in failure on rank {rank}, OMP_NUM_THREADS=1" in r.stdout.splitlines(), r.stdout
+    assert not any(noise in r.stdout for noise in TORCHRUN_REPORT + ("Traceback",)), r.stdout
+
+
+def workers_of(pid):
+    """Pids whose parent is pid (torchrun starts each worker in a session of its own)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@pytest.mark.slow
+def test_launch_interrupted_by_sigint_exits_130_and_stops_every_worker(shards, tmp_path):
+    """Ctrl-C reaches the launcher's process group; torchrun stops the workers, which are in sessions of their own."""
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    cmd = ["bash", str(RUN_SH), "launch", "2", *tiny_run(shards, tmp_path)]
+    workers = []
+    with open(out, "w") as stdout, open(err, "w") as stderr, \
+            subprocess.Popen(cmd, env=real_launch_env(), stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                             start_new_session=True) as proc:
+        STARTED_GROUPS.add(proc.pid)
+        try:
+            deadline = time.monotonic() + 60
+            # rank 0 opens its log once the trainer is built: both ranks are past init and into training
+            while not list((tmp_path / "logs").glob("*.txt")) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert proc.poll() is None and list((tmp_path / "logs").glob("*.txt")), out.read_text() + err.read_text()
+            workers = workers_of(proc.pid)  # bash exec'd the launcher, so proc.pid is torchrun's agent
+            assert len(workers) == 2
+            time.sleep(1.0)
+            os.killpg(proc.pid, signal.SIGINT)
+            status = proc.wait(timeout=45)
+            survivors = {w: group_members(w) for w in workers if group_members(w)}
+        finally:
+            kill_group(proc.pid)
+            for w in workers:
+                kill_group(w)
+    text = err.read_text()
+    assert status == 130, out.read_text() + text
+    assert survivors == {}  # no worker, nor anything one started, outlives the launcher
+    # Only the workers may speak, of their interruption: the trainer's own lines are not pinned here.
+    assert not any(noise in text for noise in TORCHRUN_REPORT + ("run.sh:",)), text
 
 
 # ---- CPU setup, tests, proxy data, records ---------------------------------------------------------------------
