@@ -32,43 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 MEMORY = ("peak_allocated_gib", "peak_in_use_gib")  # per stage in bench.py's JSON; peak_in_use_gib since CUDA graphs
 
 
-def betainc(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b), from its continued fraction (evaluated by Lentz's method).
-    Written out so that a device machine without scipy still gets its p-values."""
-    if x <= 0.0 or x >= 1.0:
-        return 1.0 if x >= 1.0 else 0.0
-    if x > (a + 1) / (a + b + 2):  # the fraction converges quickly only below this point
-        return 1.0 - betainc(b, a, 1.0 - x)
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
-    for i in range(1000):
-        m = i // 2
-        if i == 0:
-            term = 1.0
-        elif i % 2:
-            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        else:
-            term = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        d = 1.0 + term * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + term / c
-        c = c if abs(c) > tiny else tiny
-        f *= c * d
-        if abs(c * d - 1.0) < 1e-14:
-            break
-    return math.exp(log_front) * (f - 1.0) / a
-
-
 def welch_p(a: list, b: list):
-    """Two-sided p of Welch's t-test; None with fewer than two runs a side, or when neither side varies."""
-    if min(len(a), len(b)) < 2:
+    """Two-sided p of Welch's t-test (scipy's); None with fewer than two runs a side, or when neither side varies."""
+    if min(len(a), len(b)) < 2 or statistics.variance(a) + statistics.variance(b) == 0:
         return None
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    if va + vb == 0:
-        return None
-    t = (statistics.mean(b) - statistics.mean(a)) / math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    return betainc(df / 2, 0.5, df / (df + t * t))
+    from scipy import stats
+    return float(stats.ttest_ind(b, a, equal_var=False).pvalue)
 
 
 def read_result(path: Path):
