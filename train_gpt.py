@@ -78,11 +78,14 @@ def _kernels_usable(t: Tensor) -> bool:
 # Config
 # =====================================================================================
 
-def setting(default, help, choices: tuple = None, within: str = None, length: int = None):
+def setting(default, help, within: str = None, choices: tuple = None, length: int = None):
     """A Hyperparameters field: its one-line --help (a function where it quotes tables defined further down), and
-    what a valid value is: one of `choices`, or numbers (each
-    element of a tuple) inside the interval `within` ("(0, 1]", "[1, inf)"), a tuple of `length` values."""
+    what a valid value is: numbers (each value of a tuple) in the interval `within`, one of `choices`, `length`
+    values."""
     return field(default=default, metadata=dict(help=help, choices=choices, within=within, length=length))
+
+
+COUNT, NONNEGATIVE, BELOW_ONE = "[1, inf)", "[0, inf)", "[0, 1)"   # the intervals most settings live in
 
 
 @dataclass
@@ -91,85 +94,69 @@ class Hyperparameters:
     data_path: str = setting("data/fineweb10B", "folder holding the token shards")
     train_files: str = setting("fineweb_train_*.bin", "glob of the training shards inside --data-path")
     val_files: str = setting("fineweb_val_*.bin", "glob of the validation shards inside --data-path")
-    train_epochs: int = setting(1, "passes over the training shards; >1 lets a small (proxy) set last the schedule",
-                                within="[1, inf)")
-    val_tokens: int = setting(10_485_760, "validation tokens, the metric's 10*2^20 first tokens of the val shard",
-                              within="[1, inf)")
-    val_batch_size: int = setting(4 * 64 * 1024 * 8, "global tokens per validation step", within="[1, inf)")
-    train_max_seq_len: int = setting(2048, "longest training document, in tokens (longer ones are cut)",
-                                     within="[1, inf)")
+    train_epochs: int = setting(1, "passes over the training shards; >1 lets a small (proxy) set last", COUNT)
+    val_tokens: int = setting(10_485_760, "validation tokens, the metric's 10*2^20 first tokens of the val shard", COUNT)
+    val_batch_size: int = setting(4 * 64 * 1024 * 8, "global tokens per validation step", COUNT)
+    train_max_seq_len: int = setting(2048, "longest training document, in tokens (longer ones are cut)", COUNT)
     # schedule
-    num_scheduled_iterations: int = setting(2120, "scheduled training steps (batch-size stages, lr cool-down)",
-                                            within="[1, inf)")
-    num_extension_iterations: int = setting(40, "extra steps after the schedule at the floor lr and the final window",
-                                            within="[0, inf)")
-    cooldown_frac: float = setting(0.55, "fraction of the scheduled steps over which the lr cools down to --lr-floor",
-                                   within="(0, 1]")
+    num_scheduled_iterations: int = setting(2120, "scheduled training steps (batch-size stages, lr cool-down)", COUNT)
+    num_extension_iterations: int = setting(40, "extra steps at the floor lr and the final window", NONNEGATIVE)
+    cooldown_frac: float = setting(0.55, "fraction of the scheduled steps cooling the lr down to --lr-floor", "(0, 1]")
     train_bs_schedule: tuple = setting((8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8),
-                                       "global tokens per step for each batch-size stage (equal thirds)",
-                                       within="[1, inf)")
-    train_bs_extension: int = setting(24 * 2048 * 8, "global tokens per step in the extension steps",
-                                      within="[1, inf)")
-    lr_plateaus: tuple = setting((1.0, 1.51, 1.93), "lr multiplier per stage, ~(batch/131072)^0.6", within="[0, inf)")
-    lr_plateau_starts: tuple = setting((0.0, 0.33, 0.66), "fraction of the scheduled steps where each plateau starts",
-                                       within="[0, 1)")
-    lr_floor: float = setting(0.1, "lr multiplier at the end of the cool-down and in the extension", within="[0, inf)")
-    ws_schedule: tuple = setting((3, 7, 11), "long attention window per stage, in blocks (short = long // 2)",
-                                 within="[1, inf)")
-    ws_final: int = setting(13, "long attention window of the extension steps, in blocks", within="[1, inf)")
-    ws_validate_post_yarn_ext: int = setting(20, "long window of the final validation, in blocks (no YaRN update)",
-                                             within="[1, inf)")
-    block_size: int = setting(128, "tokens per attention-window block", within="[1, inf)")
+                                       "global tokens per step for each batch-size stage (equal thirds)", COUNT)
+    train_bs_extension: int = setting(24 * 2048 * 8, "global tokens per step in the extension steps", COUNT)
+    lr_plateaus: tuple = setting((1.0, 1.51, 1.93), "lr multiplier per stage, ~(batch/131072)^0.6", NONNEGATIVE)
+    lr_plateau_starts: tuple = setting((0.0, 0.33, 0.66), "fraction of the steps where each plateau starts", BELOW_ONE)
+    lr_floor: float = setting(0.1, "lr multiplier at the end of the cool-down and in the extension", NONNEGATIVE)
+    ws_schedule: tuple = setting((3, 7, 11), "long attention window per stage, in blocks (short = long // 2)", COUNT)
+    ws_final: int = setting(13, "long attention window of the extension steps, in blocks", COUNT)
+    ws_validate_post_yarn_ext: int = setting(20, "long window of the final validation (no YaRN update)", COUNT)
+    block_size: int = setting(128, "tokens per attention-window block", COUNT)
     muon_momentum_warmup: tuple = setting((0.85, 0.95, 300), "NorMuon momentum ramp: START,END,STEPS from step 0",
-                                          within="[0, inf)", length=3)
+                                          NONNEGATIVE, length=3)
     muon_momentum_cooldown: tuple = setting((0.95, 0.85, 50), "NorMuon momentum ramp START,END over the last STEPS "
-                                            "steps (the warm-up wins where they overlap)", within="[0, inf)", length=3)
-    warmup_steps_per_stage: int = setting(10, "untimed kernel warm-up steps per stage before the clock starts",
-                                          within="[2, inf)")
+                                            "steps (the warm-up wins where they overlap)", NONNEGATIVE, length=3)
+    warmup_steps_per_stage: int = setting(10, "untimed warm-up steps per stage before the clock starts", "[2, inf)")
     # model
-    vocab_size: int = setting(50257, "vocabulary size (padded to a multiple of 128); the shards hold uint16 tokens",
-                              within="[1, 65536]")
-    num_layers: int = setting(12, "transformer blocks (the layer map is defined for 12 only)", within="[12, 12]")
-    model_dim: int = setting(768, "width of the residual stream", within="[12, inf)")
-    num_heads: int = setting(6, "attention heads", within="[1, inf)")
-    head_dim: int = setting(128, "width of each attention head", within="[4, inf)")
+    vocab_size: int = setting(50257, "vocabulary (padded to a multiple of 128); shards hold uint16", "[1, 65536]")
+    num_layers: int = setting(12, "transformer blocks (the layer map is defined for 12 only)", "[12, 12]")
+    model_dim: int = setting(768, "width of the residual stream", "[12, inf)")
+    num_heads: int = setting(6, "attention heads", COUNT)
+    head_dim: int = setting(128, "width of each attention head", "[4, inf)")
     # optimizers
-    adam_lr: float = setting(0.008, "DistAdam lr (embeddings x75, scalars x5, lm_head x1)", within="[0, inf)")
-    adam_betas: tuple = setting((0.65, 0.95), "DistAdam BETA1,BETA2", within="[0, 1)", length=2)
-    adam_eps: float = setting(1e-8, "DistAdam epsilon", within="(0, inf)")
-    muon_lr: float = setting(0.023, "NorMuon lr for the hidden matrices and gates", within="[0, inf)")
-    muon_weight_decay: float = setting(1.2, "NorMuon cautious weight decay (scaled by the scheduled lr)",
-                                       within="[0, inf)")
-    muon_beta2: float = setting(0.95, "NorMuon second-moment decay", within="[0, 1)")
-    orthogonalizer: str = setting("polar", lambda: f"NorMuon orthogonalizer: Polar Express ({len(POLAR_EXPRESS_COEFFS)} "
-                                  f"steps) or Turbo-Muon (AOL-preconditioned, {len(TURBO_MUON_COEFFS)} steps)",
-                                  ("polar", "turbo"))
+    adam_lr: float = setting(0.008, "DistAdam lr (embeddings x75, scalars x5, lm_head x1)", NONNEGATIVE)
+    adam_betas: tuple = setting((0.65, 0.95), "DistAdam BETA1,BETA2", BELOW_ONE, length=2)
+    adam_eps: float = setting(1e-8, "DistAdam epsilon", "(0, inf)")
+    muon_lr: float = setting(0.023, "NorMuon lr for the hidden matrices and gates", NONNEGATIVE)
+    muon_weight_decay: float = setting(1.2, "NorMuon cautious weight decay (scaled by the scheduled lr)", NONNEGATIVE)
+    muon_beta2: float = setting(0.95, "NorMuon second-moment decay", BELOW_ONE)
+    orthogonalizer: str = setting("polar", lambda: f"NorMuon's orthogonalizer: Polar Express ({len(POLAR_EXPRESS_COEFFS)}"
+                                  f" steps) or Turbo-Muon (AOL-preconditioned, {len(TURBO_MUON_COEFFS)} steps)",
+                                  choices=("polar", "turbo"))
     # run
-    val_loss_every: int = setting(250, "validate every N steps; 0: only at the end", within="[0, inf)")
+    val_loss_every: int = setting(250, "validate every N steps; 0: only at the end", NONNEGATIVE)
     save_checkpoint: bool = setting(False, "save model and optimizer states to <log-dir>/<run-id>/ at the end")
     run_id: str = setting("", "name of the log, <log-dir>/<run-id>.txt (letters, digits, . _ -); empty: a UUID4")
-    replace_log: bool = setting(False, "replace an existing log (and checkpoint) of the same --run-id instead of "
-                                       "refusing to start")
-    seed: int = setting(-1, "torch seed for the initialisation; -1: unseeded, like the record", within="[-1, inf)")
+    replace_log: bool = setting(False, "replace an existing log (and checkpoint) of this --run-id, not refuse it")
+    seed: int = setting(-1, "torch seed for the initialisation; -1: unseeded, like the record", "[-1, inf)")
     device: str = setting("auto", "where to train; auto: CUDA when visible, else the CPU for --smoke",
-                          ("auto", "cuda", "cpu"))
+                          choices=("auto", "cuda", "cpu"))
     kernels: str = setting("fused", lambda: "fused: each fused kernel this GPU runs (a checked twin of a plain "
                                             "function); plain: PyTorch ops only; or a list of " + ",".join(FUSED_KERNELS))
     compile: str = setting("auto", "torch.compile the model and optimizer helpers; auto: on for CUDA; off: eager "
-                                   "(debugging, the CPU)", ("auto", "on", "off"))
+                                   "(debugging, the CPU)", choices=("auto", "on", "off"))
     fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA; off: bf16 (GPUs before Hopper)",
-                       ("auto", "on", "off"))
+                       choices=("auto", "on", "off"))
     cuda_graphs: str = setting("auto", "replay each training micro-batch as one CUDA graph; auto: on with CUDA and "
-                                       "torch.compile; off: eager (debugging, A/B timing)", ("auto", "on", "off"))
+                                       "torch.compile; off: eager (debugging, A/B timing)", choices=("auto", "on", "off"))
     compile_cache: str = setting("", "compile-cache bundle (a .zip file): loaded before the warm-up when it matches "
                                      "this torch/triton/GPU, written after it when not; empty: off")
     log_dir: str = setting("logs", "folder for <run-id>.txt")
-    fail_on_recompile: bool = setting(True, "stop if anything compiles inside the timed loop; false: for "
-                                            "experiments that change shapes mid-run")
+    fail_on_recompile: bool = setting(True, "stop if anything compiles in the timed loop; false: for experiments that "
+                                            "change shapes mid-run")
     smoke: bool = setting(False, "tiny preset for CPUs and tests: 128-wide model, 30+3 steps (flags still win)")
     check: bool = setting(False, "only validate the settings and the data for WORLD_SIZE processes, then exit")
-    check_flags: bool = setting(False, "only validate the settings for WORLD_SIZE processes (not the data), then "
-                                       "exit")
+    check_flags: bool = setting(False, "only validate the settings for WORLD_SIZE processes, then exit")
 
     @property
     def num_iterations(self) -> int:
