@@ -2,21 +2,22 @@
 
 One file, read top to bottom, one concept per section:
     config          Hyperparameters (the December 2025 record's values as defaults) and the command line
-    lm_head         FP8 matmul, softcapped cross-entropy, its fused Triton forward and backward, the LMHead module
-    attention       backends: FlashAttention-4 with the q/k norm and rotary fused in (one Triton pass),
-                    PyTorch's FlashAttention-2 varlen kernels, a reference
+    lm_head         FP8 matmul, the plain softcapped cross-entropy and its fused Triton twin, the LMHead module
+    attention       the plain attention (q/k norm, rotary, PyTorch's FlashAttention-2 varlen kernels) and its fused
+                    twin (FlashAttention-4 with the norm and rotary in one Triton pass)
     orthogonalizers Polar Express and Turbo-Muon with their symmetric Triton kernels
     NorMuon         sharded (reduce-scatter -> update -> all-gather) Muon with row normalisation
     DistAdam        ZeRO-1 Adam for embeddings, lm_head and scalars
-    model           GPT with value embeddings, smear gate, sparse attention gates, YaRN rotary
+    model           the plain MLP and output projection with their quack twins, the --kernels table, GPT
     data            shard reader, BOS-aligned batching, async shard preloading
     schedules       the stage table (batch size, windows), learning rate, Muon momentum
-    training loop   CUDA graphs of the micro-batches, untimed kernel warm-up, timed training, validation, logging
-    diagnostics     recompile guard, compile-cache counters, replica check, bf16 GEMMs on CPUs without them
+    training loop   CUDA graphs of the micro-batches, untimed warm-up, the training step, validation, logging
+    diagnostics     recompile guard, replica check, memory, the non-finite loss watch, bf16 GEMMs on some CPUs
     main()          settings -> runtime -> trainer -> run; the portable compile-cache bundle
 
-Launch:  torchrun --standalone --nproc_per_node=8 train_gpt.py   (1, 2, 4 or 8 GPUs; same global batch)
-CPU:     torchrun --standalone --nproc_per_node=2 train_gpt.py --smoke --data-path data/proxy
+Launch:  torchrun --standalone --nproc_per_node=8 train_gpt.py   (1, 2, 4 or 8 GPUs; same global batch), or
+         ./run.sh launch 8 [FLAGS], which reports a failure in one line without torchrun's own report
+CPU:     ./run.sh launch 2 --smoke --data-path data/proxy
 Importing this module has no side effects: no CUDA, no process group, no file reads.
 
 Credits. The speedrun is Keller Jordan's modded-nanogpt, grown from Andrej Karpathy's nanoGPT and llm.c; this file
@@ -686,6 +687,7 @@ class LMHead(nn.Module):
         return lm_head_loss(x, self.weight, targets, fp8=False)
 
 
+# =====================================================================================
 # Attention: the plain function and its fused twin
 # =====================================================================================
 
