@@ -85,9 +85,7 @@ def setting(default, help, within: str = None, choices: tuple = None, length: in
     values."""
     return field(default=default, metadata=dict(help=help, choices=choices, within=within, length=length))
 
-
 COUNT, NONNEGATIVE, BELOW_ONE = "[1, inf)", "[0, inf)", "[0, 1)"   # the intervals most settings live in
-
 
 @dataclass
 class Hyperparameters:
@@ -163,7 +161,6 @@ class Hyperparameters:
     def num_iterations(self) -> int:
         return self.num_scheduled_iterations + self.num_extension_iterations
 
-
 # `--smoke`: small enough for 2 CPU processes on 2 cores in a few minutes (the lm_head and the softcapped
 # cross-entropy over 50,304 classes dominate there), same code paths as the record.
 SMOKE_PRESET = dict(
@@ -174,9 +171,7 @@ SMOKE_PRESET = dict(
     warmup_steps_per_stage=2,
 )
 
-
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-
 
 def value_parser(kind: type, tuple_of: bool = False):
     """argparse `type` for one field: named after the kind so errors read 'expected int ...', not '<lambda>'."""
@@ -200,24 +195,19 @@ def value_parser(kind: type, tuple_of: bool = False):
             raise argparse.ArgumentTypeError(f"expected comma-separated values ({e}) in {text!r}") from None
     return parse
 
-
 def help_text(f) -> str:
     help = f.metadata["help"]
     return help() if callable(help) else help
 
-
 class ConfigError(ValueError):
     """Bad user input: reported as one line on rank 0, never a traceback."""
-
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line through main()'s error path instead of usage + message on every rank
         raise ConfigError(f"{message} (see --help)")
 
-
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
-
 
 def parse_args(argv=None) -> Hyperparameters:
     """Every Hyperparameters field becomes --kebab-case; tuples take comma-separated values."""
@@ -254,14 +244,12 @@ def parse_args(argv=None) -> Hyperparameters:
     validate_args(args)
     return args
 
-
 def in_interval(x, interval: str) -> bool:
     """x inside an interval written as "[lo, hi)", "(0, inf)", ...; NaN is inside none."""
     lo, hi = (float(v) for v in interval[1:-1].split(","))
     above = lo <= x if interval[0] == "[" else lo < x
     below = x <= hi if interval[-1] == "]" else x < hi
     return above and below
-
 
 def validate_args(args: Hyperparameters):
     """Every setting checked before anything runs (also under --check): one ConfigError naming the flag."""
@@ -316,9 +304,7 @@ FP8_X_SCALE = math.sqrt(768) / 448
 FP8_W_SCALE = 2.0 ** -9
 FP8_GRAD_SCALE = 1.0 / 448
 
-
 _SCALE_TENSORS = {}
-
 
 def _scale_tensor(value: float, like: Tensor) -> Tensor:
     """The scale as a device scalar, made once per (value, device): torch.tensor(value, device="cuda") is a
@@ -328,7 +314,6 @@ def _scale_tensor(value: float, like: Tensor) -> Tensor:
     if key not in _SCALE_TENSORS:
         _SCALE_TENSORS[key] = torch.tensor(value, dtype=torch.float32, device=like.device)
     return _SCALE_TENSORS[key]
-
 
 # A custom op whose outputs change shape, dtype or layout gets a new name: Inductor's on-disk caches key a
 # compiled graph by its code, which names the op but not what its fake implementation returns, so an old
@@ -343,13 +328,11 @@ def fp8_matmul(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> t
                            scale_b=_scale_tensor(w_s, x), use_fast_accum=True)
     return out, x_f8_t, w_f8_t
 
-
 @fp8_matmul.register_fake
 def _(x, w, x_s, w_s, grad_s):
     return (x.new_empty(x.size(0), w.size(0), dtype=torch.bfloat16),
             x.new_empty((x.size(1), x.size(0)), dtype=torch.float8_e4m3fn),
             w.new_empty((w.size(1), w.size(0)), dtype=torch.float8_e4m3fn))
-
 
 def quantize_e4m3(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """e4m3(x / scale) as the record's compiled quantiser rounds it (x in fp32 times the fp32 reciprocal, one rounding
@@ -367,12 +350,10 @@ def quantize_e4m3(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         x, q, q_t, M, N, float(np.float32(1) / np.float32(scale)), BLOCK=block, num_warps=8)
     return q, q_t
 
-
 def quantize_e4m3_reference(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """quantize_e4m3 in PyTorch ops (the CPU path)."""
     q = (x.float() * (np.float32(1) / np.float32(scale)).item()).to(torch.float8_e4m3fn)
     return q, q.t().contiguous()
-
 
 @torch.library.custom_op("speedrun::fp8_matmul_backward", mutates_args=())
 def fp8_matmul_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float, grad_s: float,
@@ -391,12 +372,10 @@ def fp8_matmul_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float
                               use_fast_accum=False)
     return grad_x, grad_w
 
-
 @fp8_matmul_backward.register_fake
 def _(g_f8, x_f8_t, w_f8_t, x_s, w_s, grad_s, g_f8_t=None):
     return (g_f8.new_empty((g_f8.size(0), w_f8_t.size(0)), dtype=torch.bfloat16),
             g_f8.new_empty((g_f8.size(1), x_f8_t.size(0)), dtype=torch.bfloat16))
-
 
 def _fp8_matmul_setup_context(ctx, inputs, output):
     _, _, x_s, w_s, grad_s = inputs
@@ -404,7 +383,6 @@ def _fp8_matmul_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x_f8_t, w_f8_t)
     ctx.scales = (x_s, w_s, grad_s)
     ctx.set_materialize_grads(False)
-
 
 def _fp8_matmul_backward_rule(ctx, grad_out, *_):
     x_f8_t, w_f8_t = ctx.saved_tensors
@@ -415,33 +393,26 @@ def _fp8_matmul_backward_rule(ctx, grad_out, *_):
     grad_x, grad_w = torch.ops.speedrun.fp8_matmul_backward(g_f8, x_f8_t, w_f8_t, x_s, w_s, grad_s)
     return grad_x, grad_w, None, None, None
 
-
 fp8_matmul.register_autograd(_fp8_matmul_backward_rule, setup_context=_fp8_matmul_setup_context)
-
 
 def lm_head_fp8(x: Tensor, w: Tensor) -> Tensor:
     return torch.ops.speedrun.fp8_matmul(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)[0]
-
 
 def quantize_e5m2(g: Tensor, grad_s: float) -> Tensor:
     """The FP8 backward's gradient operand: e5m2(g / grad_s), one rounding from fp32."""
     return (g.float() / grad_s).to(torch.float8_e5m2)
 
-
 # --- the plain head: softcapped logits and PyTorch's cross-entropy, as the record computes them ------------------
 SOFTCAP = 30.0        # every logit is squashed into (0, SOFTCAP) ...
 SOFTCAP_WIDTH = 7.5   # ... by z = SOFTCAP · sigmoid(logit / SOFTCAP_WIDTH)
 
-
 def softcap(logits: Tensor) -> Tensor:
     return SOFTCAP * torch.sigmoid(logits / SOFTCAP_WIDTH)
-
 
 def lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, fp8: bool) -> Tensor:
     """Sum over tokens of the cross-entropy of the softcapped logits x wᵀ (FP8 operands in training on Hopper)."""
     logits = lm_head_fp8(x, w) if fp8 else F.linear(x, w)
     return F.cross_entropy(softcap(logits.float()), targets, reduction="sum")
-
 
 # --- its fused twin: FP8 matmul, then one Triton pass forward and one backward -----------------------------------
 # The softcap bounds every logit below SOFTCAP, so the log-sum-exp needs no max pass (50304·e^30 ≈ 5e17, far below
@@ -450,7 +421,6 @@ def lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, fp8: bool) -> Tensor:
 
 CE_FORWARD_TILE = (4, 1024, 8)    # BLOCK_T, BLOCK_V, num_warps of _softcap_ce_forward_kernel
 CE_BACKWARD_TILE = (64, 128, 8)   # the same of _softcap_ce_backward_kernel (bench/kernels/ce_kernel_bench.py)
-
 
 @torch.library.custom_op("speedrun::softcap_ce_forward", mutates_args=())
 def fused_softcap_ce_forward(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
@@ -461,11 +431,9 @@ def fused_softcap_ce_forward(logits: Tensor, targets: Tensor) -> tuple[Tensor, T
     launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math=True)
     return per_token.sum(), lse
 
-
 @fused_softcap_ce_forward.register_fake
 def _(logits, targets):
     return logits.new_empty((), dtype=torch.float32), logits.new_empty((logits.size(0),), dtype=torch.float32)
-
 
 @torch.library.custom_op("speedrun::softcap_ce_backward", mutates_args=())
 def fused_softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor,
@@ -478,12 +446,10 @@ def fused_softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad
     launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s, round_bf16=True, fp8=True, fast_math=True)
     return g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
 
-
 @fused_softcap_ce_backward.register_fake
 def _(logits, lse, targets, grad, grad_s):
     T, V = logits.shape
     return (logits.new_empty((T, V), dtype=torch.float8_e5m2), logits.new_empty((V, T), dtype=torch.float8_e5m2))
-
 
 def launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math: bool):
     """_softcap_ce_forward_kernel: lse (T,) and per_token (T,) = lse - z_target, fp32 buffers."""
@@ -495,7 +461,6 @@ def launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math: bool):
         logits, targets, lse, per_token, T, V, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t, BLOCK_V=block_v,
         FAST_MATH=fast_math, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
 
-
 def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool,
                                fast_math: bool):
     """_softcap_ce_backward_kernel into out (T, V) and out_t (V, T): uint8 (fp8) or float32 buffers."""
@@ -506,7 +471,6 @@ def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: f
         logits, lse, targets, grad, out, out_t, T, V, grad_s, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t,
         BLOCK_V=block_v, ROUND_BF16=round_bf16, FP8=fp8, FAST_MATH=fast_math, PTX_TANH=not _TRITON_INTERPRET,
         num_warps=warps)
-
 
 class FusedLMHeadLoss(torch.autograd.Function):
     """lm_head_loss with FP8 operands in fewer passes: the FP8 matmul, one Triton pass for the log-sum-exp, and in
@@ -528,11 +492,9 @@ class FusedLMHeadLoss(torch.autograd.Function):
             g_f8, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE, g_f8_t)
         return grad_x, grad_w, None
 
-
 def fused_lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, fp8: bool) -> Tensor:
     assert fp8, "the fused head is the FP8 one"
     return FusedLMHeadLoss.apply(x, w, targets)
-
 
 def transpose_bytes(x: Tensor) -> Tensor:
     """Contiguous transpose of a 2-D tensor of 1-byte elements (the FP8 gradient). Inductor, left to itself,
@@ -548,7 +510,6 @@ def transpose_bytes(x: Tensor) -> Tensor:
                                                                       num_warps=8)
     return y.view(x.dtype)
 
-
 if triton is not None:
 
     @triton.jit
@@ -562,7 +523,6 @@ if triton is not None:
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         tile = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask)
         tl.store(Y + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
-
 
     @triton.jit
     def _quantize_transpose_kernel(X, Q, QT, M, N, inv_scale, BLOCK: tl.constexpr):
@@ -667,10 +627,8 @@ if triton is not None:
         tl.store(lse + rows, row_lse, mask=rmask)
         tl.store(per_token + rows, row_lse - z_t, mask=rmask)
 
-
 # Evaluation runs the head over this many tokens at a time: a (262144, 50304) bf16 logits tensor would take 25 GiB.
 EVAL_HEAD_CHUNK = 32768
-
 
 class LMHead(nn.Module):
     """The loss of the final hidden states, summed over tokens: `loss_fn` (lm_head_loss or its fused twin) in
@@ -702,7 +660,6 @@ def scale_and_window(window_table: Tensor, window_row: int) -> tuple:
     scale, window = window_table[window_row].tolist()
     return float(scale), int(window)
 
-
 def attention_reference(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
     """Attention in plain PyTorch ops, one document at a time (the CPU's; it cannot be compiled)."""
     scale, window = scale_and_window(window_table, window_row)
@@ -720,7 +677,6 @@ def attention_reference(q, k, v, cu_seqlens, max_seqlen, window_table, window_ro
         out[start:end] = (scores.softmax(dim=-1) @ vd).transpose(0, 1).to(q.dtype)
     return out
 
-
 # PyTorch's FlashAttention-2 varlen kernels (the ones behind torch.nn.attention.varlen.varlen_attn) behind our own
 # custom op, so that the window and the scale are read from a CPU tensor when the op runs instead of being baked
 # into the graph. Window (w, 0) = causal, at most w earlier tokens of the same document.
@@ -734,12 +690,10 @@ def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen
     rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)  # dropout is 0: the backward ignores it
     return out, lse, rng_state
 
-
 @flash_varlen.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
     return (torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32),
             q.new_empty((2,), dtype=torch.uint64))
-
 
 @torch.library.custom_op("speedrun::flash_varlen_backward", mutates_args=())
 def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -752,17 +706,14 @@ def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
         scale=scale, window_size_left=window, window_size_right=0)
     return dq, dk, dv
 
-
 @flash_varlen_backward.register_fake
 def _(grad_out, q, k, v, out, lse, rng_state, cu_seqlens, max_seqlen, window_table, window_row):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
 
 def _flash_varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens, max_seqlen, window_table, window_row = inputs
     ctx.save_for_backward(q, k, v, cu_seqlens, window_table, *output)
     ctx.max_seqlen, ctx.window_row = max_seqlen, window_row
-
 
 def _flash_varlen_backward_rule(ctx, grad_out, *_):
     q, k, v, cu_seqlens, window_table, out, lse, rng_state = ctx.saved_tensors
@@ -770,23 +721,18 @@ def _flash_varlen_backward_rule(ctx, grad_out, *_):
                                                           cu_seqlens, ctx.max_seqlen, window_table, ctx.window_row)
     return dq, dk, dv, None, None, None, None
 
-
 flash_varlen.register_autograd(_flash_varlen_backward_rule, setup_context=_flash_varlen_setup_context)
-
 
 def attention_varlen(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
     return torch.ops.speedrun.flash_varlen(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)[0]
-
 
 def flash_attention(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
     """PyTorch's FlashAttention-2 kernels on a GPU (the closest to the record's FA3), the reference elsewhere."""
     attend = attention_varlen if q.is_cuda else attention_reference
     return attend(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)
 
-
 def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
-
 
 def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary position embedding of x (T, heads, head_dim) from the tables cos, sin (>= T, head_dim / 2): each pair
@@ -794,7 +740,6 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     cos, sin = cos[:x.size(0), None, :], sin[:x.size(0), None, :]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
-
 
 def attention(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
               window_table: Tensor, window_row: int) -> Tensor:
@@ -805,7 +750,6 @@ def attention(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqle
     if ve is not None:
         v = v + ve
     return flash_attention(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)
-
 
 # --- the fused twin of `attention`: FlashAttention-4 with the q/k norm and rotary in one Triton pass -------------
 # FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels): window and
@@ -820,14 +764,12 @@ def fa4_interface():
     import flash_attn.cute.interface as fa4
     return fa4
 
-
 def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, window_table, window_row: int) -> tuple[Tensor, Tensor]:
     scale, window = scale_and_window(window_table, window_row)
     out, lse, *_ = fa4_interface()._flash_attn_fwd(
         q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
         softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0, return_lse=True)
     return out, lse
-
 
 def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, window_table, window_row: int,
                  dq, dk, dv) -> None:
@@ -837,7 +779,6 @@ def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, windo
         q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
         dq=dq, dk=dk, dv=dv)
-
 
 # q/k RMS norm and rotary in one Triton pass, inside the FlashAttention-4 op. Inductor fuses
 # the same chain, but as a two-loop reduction that parks the rotated rows in fp32 scratch, and its backward then
@@ -905,9 +846,7 @@ if triton is not None:
         tl.store(d_qkv + offset, ((g1 - x1 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
         tl.store(d_qkv + offset + D // 2, ((g2 - x2 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
 
-
 QK_NORM_ROPE_ROWS = 32  # head rows per program: 32 x 128 elements in flight each way
-
 
 def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """(rotated, normalised q and k heads (T, 2H, D) in qkv's dtype, 1/rms per row (T, 2H) fp32) of qkv (T, 3H, D)."""
@@ -922,9 +861,7 @@ def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]
         EPS=torch.finfo(torch.float32).eps, BLOCK_R=QK_NORM_ROPE_ROWS, num_warps=4)
     return qk, rstd
 
-
 VALUE_EMBEDDING_ROWS = 8  # tokens per program of _add_value_embedding_kernel
-
 
 def add_value_embedding(qkv: Tensor, ve: Tensor) -> Tensor:
     """qkv's v heads + ve, contiguous (T, H, D). PyTorch adds a strided operand with an unvectorised kernel that
@@ -939,7 +876,6 @@ def add_value_embedding(qkv: Tensor, ve: Tensor) -> Tensor:
         BLOCK_W=triton.next_power_of_2(width), num_warps=8)
     return v
 
-
 def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, d_qkv: Tensor) -> None:
     """Writes the gradient of qkv's q and k heads, given d_qk (T, 2H, D) of qk_norm_rope's output, into
     d_qkv[:, :2H] (d_qkv has qkv's layout; its v heads are left alone)."""
@@ -950,7 +886,6 @@ def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, 
     _qk_norm_rope_backward_kernel[(triton.cdiv(rows, QK_NORM_ROPE_ROWS),)](
         d_qk, qkv, rstd, cos, sin, d_qkv, rows, HEADS2=heads2, D=D, ROW_STRIDE=heads3 * D,
         BLOCK_R=QK_NORM_ROPE_ROWS, num_warps=4)
-
 
 @torch.library.custom_op("speedrun::fa4_qkv", mutates_args=())
 def fa4_qkv(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
@@ -964,7 +899,6 @@ def fa4_qkv(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens
     out, lse = fa4_forward(qk[:, :heads], qk[:, heads:], v, cu_seqlens, max_seqlen, window_table, window_row)
     return out, lse, qk, (v if ve is not None else qkv.new_empty(0)), rstd
 
-
 @fa4_qkv.register_fake
 def _(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
     T, heads3, D = qkv.shape
@@ -972,7 +906,6 @@ def _(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
     return (qkv.new_empty((T, heads, D)), qkv.new_empty((heads, T), dtype=torch.float32),
             qkv.new_empty((T, 2 * heads, D)), qkv.new_empty((T, heads, D) if ve is not None else (0,)),
             qkv.new_empty((T, 2 * heads), dtype=torch.float32))
-
 
 @torch.library.custom_op("speedrun::fa4_qkv_backward", mutates_args=())
 def fa4_qkv_backward(grad_out: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, out: Tensor, lse: Tensor, qk: Tensor,
@@ -988,18 +921,15 @@ def fa4_qkv_backward(grad_out: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, ou
     qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv)
     return d_qkv
 
-
 @fa4_qkv_backward.register_fake
 def _(grad_out, qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, max_seqlen, window_table, window_row):
     return torch.empty_like(qkv)
-
 
 def _fa4_qkv_setup_context(ctx, inputs, output):
     qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row = inputs
     out, lse, qk, v_used, rstd = output
     ctx.save_for_backward(qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, window_table)
     ctx.max_seqlen, ctx.window_row, ctx.has_ve = max_seqlen, window_row, ve is not None
-
 
 def _fa4_qkv_backward(ctx, grad_out, *_):
     qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, window_table = ctx.saved_tensors
@@ -1008,13 +938,10 @@ def _fa4_qkv_backward(ctx, grad_out, *_):
     d_ve = d_qkv[:, 2 * (qkv.size(1) // 3):] if ctx.has_ve else None  # v = qkv's v heads + ve: the same gradient
     return d_qkv, d_ve, None, None, None, None, None, None
 
-
 fa4_qkv.register_autograd(_fa4_qkv_backward, setup_context=_fa4_qkv_setup_context)
-
 
 def fused_attention(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
     return torch.ops.speedrun.fa4_qkv(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row)[0]
-
 
 def fa4_on_this_gpu():
     if torch.cuda.get_device_capability()[0] < 9:
@@ -1066,15 +993,12 @@ _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 _SMEM_BUDGET = 160 * 1024    # H100/H200 have 227 KB per block; keep room for the epilogue's layout conversion
 
-
 def _pow2_at_least(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
-
 
 # Tile overrides, {kind: {...}} or {(kind, m, k): {...}}, for tile sweeps and tests (symmetric kernels keep BLOCK_N
 # equal to BLOCK_M); empty in training.
 ORTHOGONALIZER_TILES = {}
-
 
 def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
     """dict(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for kind xxt ((n, m, k) -> (n, m, m)), ba_plus_cAA
@@ -1104,7 +1028,6 @@ def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
     if sym:
         cfg["BLOCK_N"] = cfg["BLOCK_M"]
     return cfg
-
 
 if triton is not None:
 
@@ -1202,10 +1125,8 @@ if triton is not None:
             x_ptr += BLOCK_K * s_xm
         tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_ck, acc.to(C.dtype.element_ty), mask=out_mask)
 
-
 def _as_batched(t: Tensor) -> Tensor:
     return t if t.dim() == 3 else t.unsqueeze(0)
-
 
 def xxt(X: Tensor, out: Tensor = None) -> Tensor:
     """out = X Xᵀ for X (m, k) or (n, m, k) -> (m, m) / (n, m, m), in X's dtype (fp32 accumulation)."""
@@ -1215,7 +1136,6 @@ def xxt(X: Tensor, out: Tensor = None) -> Tensor:
         return torch.matmul(X, X.mT, out=out)
     return _launch_sym_gram("xxt", X, out, 1.0, 0.0, add_x=False)
 
-
 def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None) -> Tensor:
     """out = b·A + c·A·A for symmetric A (m, m) or (n, m, m) (symmetry is assumed, not checked)."""
     if out is None:
@@ -1223,7 +1143,6 @@ def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None) -> Tensor:
     if not _kernels_usable(A):
         return torch.add(torch.mul(A, b), torch.matmul(A, A), alpha=c, out=out)
     return _launch_sym_gram("ba_plus_cAA", A, out, float(c), float(b), add_x=True)
-
 
 def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: float, add_x: bool) -> Tensor:
     X3, C3 = _as_batched(X), _as_batched(out)
@@ -1236,7 +1155,6 @@ def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: floa
         BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bk == 0), IEEE=(X.dtype == torch.float32), ADD_X=add_x,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
-
 
 def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None) -> Tensor:
     """out = a·X + B X for X (m, k) / (n, m, k) and B (m, m) / (n or 1, m, m); out must not alias X."""
@@ -1260,24 +1178,19 @@ def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None) -> Tensor:
         IEEE=(X.dtype == torch.float32), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
-
 # ---- the iteration, parametrised by its three matrix operations ----
 
 def _torch_gram(X, out=None):
     return X @ X.mT
 
-
 def _torch_poly(A, b, c, out=None):
     return b * A + c * (A @ A)
-
 
 def _torch_update(X, B, a, out=None):
     return a * X + B @ X
 
-
 _TORCH_OPS = (_torch_gram, _torch_poly, _torch_update)
 _TRITON_OPS = (xxt, ba_plus_cAA, ax_plus_bx)
-
 
 def _polar_loop(G: Tensor, turbo: bool, dtype, ops, buffers: bool) -> Tensor:
     """Shared body of polar_express / polar_express_reference.  G (..., rows, cols) -> same shape, dtype `dtype`.
@@ -1312,11 +1225,9 @@ def _polar_loop(G: Tensor, turbo: bool, dtype, ops, buffers: bool) -> Tensor:
         X, C = C, X
     return X.mT if transposed else X
 
-
 def polar_express_reference(G: Tensor, turbo: bool = False, dtype=torch.float32) -> Tensor:
     """Pure-PyTorch Polar Express / Turbo-Muon in `dtype` (float32 or float64): tests and the CPU path."""
     return _polar_loop(G, turbo, dtype, _TORCH_OPS, buffers=False)
-
 
 def polar_express(G: Tensor, turbo: bool = False) -> Tensor:
     """Approximate polar factor of every matrix in G (..., rows, cols); same shape as G.
@@ -1355,18 +1266,15 @@ NORMUON_RECORD_GROUP_SIZES = (1, 10, 16, 16)   # 8 GPUs: G3 = 10 attn + 6 mlp, G
 NORMUON_GATE_LABELS = ("smear_gate", "attn_gate")
 DISTADAM_LABEL_ORDER = ("lm_head", "scalars", "value_embed", "embed")
 
-
 # One-tensor collectives: torch 2.13 renamed them (the old names warn there); torch 2.11 has only the old names.
 reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
 
 def _dist_world() -> tuple[int, int]:
     """(world_size, rank) of the default process group, or (1, 0) when there is none."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
-
 
 # ---- NorMuon per-shard math: small pure functions the trainer may torch.compile (dynamic=False) ----
 
@@ -1382,7 +1290,6 @@ def normuon_second_moment(v: Tensor, second_moment: Tensor, beta2: float, dim: i
     scale = vf.norm(dim=(-2, -1), keepdim=True) / vn.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10)
     return (vn * scale).to(v.dtype)
 
-
 def cautious_update(p: Tensor, v: Tensor, lr_eff: Tensor, wd_eff: Tensor) -> None:
     """In place, in fp32: p <- p - lr_eff·(v + wd_eff·[v·p >= 0]·p): the decay acts only where the update already
     shrinks |p|. lr_eff, wd_eff: 0-D CPU float32 tensors (a new value never recompiles)."""
@@ -1391,12 +1298,10 @@ def cautious_update(p: Tensor, v: Tensor, lr_eff: Tensor, wd_eff: Tensor) -> Non
     mask = (vf * pf >= 0).to(torch.float32)
     p.copy_(pf - lr_eff * (vf + wd_eff * mask * pf))
 
-
 def normuon_lr_factor(p: Tensor) -> float:
     """sqrt(max(1, rows/cols)) * lr_mul from the parameter's own stored 2-D shape (attn 2, c_fc 2, c_proj 4)."""
     rows, cols = p.shape[-2], p.shape[-1]
     return math.sqrt(max(1.0, rows / cols)) * float(getattr(p, "lr_mul", 1.0))
-
 
 def normuon_reduce_dim(label: str, shape) -> int:
     """Axis of the NorMuon second moment, from the stored (un-reshaped) shape: gates and tall/square matrices
@@ -1404,7 +1309,6 @@ def normuon_reduce_dim(label: str, shape) -> int:
     if label in NORMUON_GATE_LABELS or shape[-2] >= shape[-1]:
         return -1
     return -2
-
 
 def normuon_groups(params, world_size: int) -> tuple[list, str]:
     """([(name, params)], note): the record's 8-GPU sizing [1, 10, 16, 16] where the matrices are the record's, else
@@ -1435,7 +1339,6 @@ def normuon_groups(params, world_size: int) -> tuple[list, str]:
                 f"{' instead of the record sizing ' + str(NORMUON_RECORD_GROUP_SIZES) if world_size == 8 else ''}: "
                 + ", ".join(f"{name} ({len(ps)})" for name, ps in groups))
     return groups, note
-
 
 class NorMuon(torch.optim.Optimizer):
     """Muon with Polar Express orthogonalization, NorMuon row normalisation and cautious weight decay, as in the
@@ -1588,7 +1491,6 @@ def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_
     # fp32 arithmetic and one rounding into p's dtype (what addcdiv_ does eagerly)
     p.copy_(p.float() - step_size * (exp_avg.float() / (exp_avg_sq.float().sqrt() + eps)))
 
-
 class DistAdam(torch.optim.Optimizer):
     """ZeRO-1 Adam without weight decay (the record's): every param is split along dim 0 into W equal slices; rank
     r keeps the Adam state of, and updates, rows [r*n/W, (r+1)*n/W), then all-gathers the param.
@@ -1703,7 +1605,6 @@ def set_optimizer_label(p: nn.Parameter, label: str, lr_mul: float = 1.0) -> nn.
     p.label, p.lr_mul = label, lr_mul
     return p
 
-
 class Yarn(nn.Module):
     """The rotary tables (cos, sin) of the half-truncated rotary embedding, whose low frequencies are stretched (YaRN,
     Bowen Peng et al.) when the attention window grows."""
@@ -1745,18 +1646,15 @@ class Yarn(nn.Module):
         self.window = new_window  # what set_window compares against, also after a direct call
         self._write_tables()
 
-
 # --- the plain MLP and attention output, and their fused twins (quack-kernels GEMMs, Tri Dao et al.) -----------
 
 def mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
     """The ReLU² MLP: relu(x w_fcᵀ)² w_proj, with w_fc and w_proj both stored (4d, d)."""
     return F.relu(F.linear(x, w_fc)).square() @ w_proj
 
-
 def attention_output(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
     """The attention's output projection added to the residual stream: residual + y wᵀ."""
     return residual + F.linear(y, w)
-
 
 @functools.cache
 def quack_gemm():
@@ -1764,13 +1662,11 @@ def quack_gemm():
     import quack.gemm_interface as gemm_interface
     return gemm_interface
 
-
 # quack's untuned Hopper default clusters two CTAs along M; the same 128x192 pingpong tile clustered along N is faster
 # for both fused MLP GEMMs on the trainer's shapes and bit-identical (same tile, same K order). Pinned, because
 # autotuning at start-up costs minutes of compiles. Other GPUs keep quack's default.
 QUACK_MLP_CONFIG_SM90 = dict(tile_m=128, tile_n=192, cluster_m=1, cluster_n=2, pingpong=True,
                              is_dynamic_persistent=False)
-
 
 @functools.cache
 def quack_mlp_config(device_type: str, index: int | None):
@@ -1780,12 +1676,10 @@ def quack_mlp_config(device_type: str, index: int | None):
     from quack.gemm_config import GemmConfig
     return GemmConfig(**QUACK_MLP_CONFIG_SM90, device_capacity=9)
 
-
 def quack_on_this_gpu():
     if torch.cuda.get_device_capability()[0] not in (9, 10):
         raise RuntimeError("its GEMM kernels need compute capability 9.x or 10.x (Hopper, Blackwell)")
     return quack_gemm()
-
 
 # mlp's twin: the activation rides in the GEMM epilogues. The forward GEMM writes the pre-activation and ReLU² in
 # one pass; the backward's first GEMM multiplies by the derivative and recomputes ReLU² for the weight gradient in
@@ -1798,11 +1692,9 @@ def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
                                    config=quack_mlp_config(x.device.type, x.device.index))
     return h @ w_proj, pre
 
-
 @relu2_mlp.register_fake
 def _(x, w_fc, w_proj):
     return x.new_empty(x.size(0), w_proj.size(1)), x.new_empty(x.size(0), w_fc.size(0))
-
 
 @torch.library.custom_op("speedrun::relu2_mlp_backward", mutates_args=())
 def relu2_mlp_backward(grad: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor,
@@ -1813,27 +1705,21 @@ def relu2_mlp_backward(grad: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor,
                                      config=quack_mlp_config(grad.device.type, grad.device.index))
     return dpre @ w_fc, dpre.mT @ x, h.mT @ grad
 
-
 @relu2_mlp_backward.register_fake
 def _(grad, x, w_fc, w_proj, pre):
     return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
-
 
 def _relu2_mlp_setup_context(ctx, inputs, output):
     x, w_fc, w_proj = inputs
     ctx.save_for_backward(x, w_fc, w_proj, output[1])
 
-
 def _relu2_mlp_backward_rule(ctx, grad_out, _grad_pre):
     return torch.ops.speedrun.relu2_mlp_backward(grad_out, *ctx.saved_tensors)
 
-
 relu2_mlp.register_autograd(_relu2_mlp_backward_rule, setup_context=_relu2_mlp_setup_context)
-
 
 def fused_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
     return torch.ops.speedrun.relu2_mlp(x, w_fc, w_proj)[0]
-
 
 # attention_output's twin: Inductor turns it into an addmm, for which ATen first copies the residual into the output
 # and has cuBLAS read it back; quack's gemm_add reads the residual in its epilogue instead.
@@ -1841,28 +1727,22 @@ def fused_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
 def residual_linear(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
     return quack_gemm().gemm_add(y, w.mT, residual, tuned=False)
 
-
 @residual_linear.register_fake
 def _(residual, y, w):
     return torch.empty_like(residual)
-
 
 def _residual_linear_setup_context(ctx, inputs, output):
     _, y, w = inputs
     ctx.save_for_backward(y, w)
 
-
 def _residual_linear_backward(ctx, grad):
     y, w = ctx.saved_tensors
     return grad, grad @ w, grad.t() @ y
 
-
 residual_linear.register_autograd(_residual_linear_backward, setup_context=_residual_linear_setup_context)
-
 
 def fused_attention_output(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
     return torch.ops.speedrun.residual_linear(residual, y, w)
-
 
 # --- which function the model calls: the plain one, or its fused twin ---------------------------------------------
 # A speedrunner edits the plain functions. Each fused kernel computes what its plain function computed when the
@@ -1881,13 +1761,11 @@ def code_fingerprint(*functions) -> str:
         parts.append(ast.unparse(tree))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
-
 def needs_cuda_triton(fp8: bool = True):
     if triton is None or not torch.cuda.is_available():
         raise RuntimeError("its Triton kernels need a CUDA GPU")
     if not fp8:
         raise RuntimeError("it is the FP8 head, and FP8 is off (--fp8)")
-
 
 @dataclass(frozen=True)
 class FusedKernel:
@@ -1896,7 +1774,6 @@ class FusedKernel:
     follows: tuple         # the plain functions whose code the fused kernel computes
     fingerprint: str       # code_fingerprint(*follows) when the fused kernel was last checked against it
     check_here: object     # check_here(fp8) raises where the fused kernel cannot run (no GPU, library missing)
-
 
 FUSED_KERNELS = {
     "attention": FusedKernel(attention, fused_attention, (attention, rotary, norm), "76093bf9db96",
@@ -1908,14 +1785,12 @@ FUSED_KERNELS = {
                                 needs_cuda_triton),
 }
 
-
 def parse_kernels(text: str) -> set | None:
     """The fused kernels --kernels asks for (fused: all, plain: none), or None where it names something else."""
     if text in ("fused", "plain"):
         return set(FUSED_KERNELS) if text == "fused" else set()
     names = {n.strip() for n in text.split(",") if n.strip()}
     return names if names and names <= set(FUSED_KERNELS) else None
-
 
 def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]:
     """({name: function the model calls}, notes for the log). `--kernels fused` takes each fused kernel that runs
@@ -1946,7 +1821,6 @@ def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]
         chosen[name] = kernel.fused
     return chosen, notes
 
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int):
         super().__init__()
@@ -1973,7 +1847,6 @@ class CausalSelfAttention(nn.Module):
         y = y * torch.sigmoid(F.linear(x[:, :12], self.attn_gate.weight)).unsqueeze(-1)
         return kernels["attention_output"](residual, y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
 
-
 class MLP(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
@@ -1987,13 +1860,11 @@ class MLP(nn.Module):
     def forward(self, x, kernels):
         return kernels["mlp"](x, self.c_fc.type_as(x), self.c_proj.type_as(x))
 
-
 class Block(nn.Module):
     def __init__(self, layer: int, dim: int, num_heads: int, head_dim: int):
         super().__init__()
         self.attn = CausalSelfAttention(dim, num_heads, head_dim) if layer not in GPT.NO_ATTENTION else None
         self.mlp = MLP(dim) if layer not in GPT.NO_MLP else None
-
 
 class GPT(nn.Module):
     NO_ATTENTION = (0, 7)          # block 0 is empty, block 7 is MLP-only
@@ -2110,7 +1981,6 @@ class GPT(nn.Module):
     def head(self, x: Tensor, target_seq: Tensor) -> Tensor:
         return self.lm_head(x, target_seq)
 
-
 def next_multiple_of(x: int, n: int) -> int:
     return -(-x // n) * n
 
@@ -2124,10 +1994,8 @@ SHARD_VERSION = 1
 HEADER_INTS = 256
 BOS_ID = 50256  # <|endoftext|>, written before every document
 
-
 class ShardError(ValueError):
     """A data shard is missing, truncated or not in the speedrun format."""
-
 
 def read_shard_header(path) -> int:
     """Check a shard's header and size; return its token count."""
@@ -2151,7 +2019,6 @@ def read_shard_header(path) -> int:
                          f"({expected} bytes): truncated or corrupt, re-download or rebuild it")
     return num_tokens
 
-
 def load_data_shard(path, pin_memory: bool = False) -> Tensor:
     """Read a shard's tokens straight into a (optionally pinned) uint16 tensor, no intermediate bytes."""
     num_tokens = read_shard_header(path)
@@ -2163,7 +2030,6 @@ def load_data_shard(path, pin_memory: bool = False) -> Tensor:
         raise ShardError(f"shard {path}: read {nbytes} bytes, expected {2 * num_tokens}")
     return tokens
 
-
 def in_background(fn, *args) -> concurrent.futures.Future:
     """fn(*args) on a thread of its own (shard reads, BOS scans); .result() waits and re-raises its error."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="speedrun-data")
@@ -2171,14 +2037,11 @@ def in_background(fn, *args) -> concurrent.futures.Future:
     pool.shutdown(wait=False)  # the thread ends with its one task
     return future
 
-
 def find_bos(tokens: Tensor) -> np.ndarray:
     return np.flatnonzero(tokens.numpy() == BOS_ID)
 
-
 class DataExhausted(RuntimeError):
     """The training files ran out before the schedule ended."""
-
 
 class BOSFinder:
     """Cuts BOS-aligned per-rank batches out of one shard.
@@ -2233,11 +2096,9 @@ class BOSFinder:
         self.i = i
         return ranks
 
-
 def max_num_docs_for(num_tokens: int) -> int:
     """Fixed cu_seqlens length (keeps compiled shapes static); the median document is ~400 tokens."""
     return next_multiple_of(max(num_tokens // 300, 1), 128)
-
 
 def pack_cu_seqlens(lengths: list, num_tokens: int, max_num_docs: int) -> Tensor:
     if len(lengths) + 1 > max_num_docs:
@@ -2247,7 +2108,6 @@ def pack_cu_seqlens(lengths: list, num_tokens: int, max_num_docs: int) -> Tensor
     cu[0] = 0
     cu[1:len(lengths) + 1] = np.cumsum(lengths)
     return torch.from_numpy(cu)
-
 
 class ShardLoader:
     """Iterates over shard files (cycled `epochs` times); reads the next shard and indexes its BOS tokens
@@ -2286,7 +2146,6 @@ class ShardLoader:
         self._start_preload()
         return current
 
-
 def to_device(batch: tuple, device: str) -> tuple:
     """Asynchronous copies of a micro-batch. From pageable memory a "non_blocking" copy is staged by the driver,
     which may wait on the stream; from pinned memory it is a plain DMA queued behind the running kernels. PyTorch's
@@ -2294,7 +2153,6 @@ def to_device(batch: tuple, device: str) -> tuple:
     if device != "cuda":
         return tuple(t.to(device) for t in batch)
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
-
 
 def distributed_data_generator(files: list, batch_size: int, max_seq_len: int, grad_accum_steps: int,
                                rank: int, world_size: int, epochs: int = 1, device: str = "cpu"):
@@ -2325,7 +2183,6 @@ def distributed_data_generator(files: list, batch_size: int, max_seq_len: int, g
             if batch_size % (grad_accum_steps * world_size):
                 raise ConfigError(f"batch size {batch_size} is not divisible by grad_accum_steps x world_size "
                                   f"({grad_accum_steps} x {world_size})")
-
 
 def validation_batches(path, val_batch_size: int, val_tokens: int, grad_accum_steps: int, rank: int,
                        world_size: int, device: str = "cpu"):
@@ -2360,14 +2217,12 @@ class Stage:
     ws_short: int      # attention windows in blocks of block_size: the short window is half the long one
     ws_long: int
 
-
 def stage_index(step: int, args: Hyperparameters) -> int:
     """Index into stages(args): int(K * step / N) for the scheduled steps, K for the extension."""
     N, k = args.num_scheduled_iterations, len(args.train_bs_schedule)
     if step >= N:
         return k
     return int(k * (step / N))
-
 
 def make_stage(i: int, args: Hyperparameters) -> Stage:
     """Stage i of stages(args), without building the others."""
@@ -2382,11 +2237,9 @@ def make_stage(i: int, args: Hyperparameters) -> Stage:
     long = args.ws_schedule[i]
     return Stage(f"stage {i + 1}", first, args.train_bs_schedule[i], long // 2, long)
 
-
 def stages(args: Hyperparameters) -> list:
     """The stage table used by the schedules, the kernel warm-up and the benchmark."""
     return [make_stage(i, args) for i in range(len(args.train_bs_schedule) + 1)]
-
 
 def eval_windows(args: Hyperparameters) -> list:
     """(short, long) window pairs validation runs with: each stage's, then the final one (long window widened
@@ -2394,14 +2247,11 @@ def eval_windows(args: Hyperparameters) -> list:
     table = stages(args)
     return [(s.ws_short, s.ws_long) for s in table] + [(table[-1].ws_short, args.ws_validate_post_yarn_ext)]
 
-
 def stage_at(step: int, args: Hyperparameters) -> Stage:
     return make_stage(stage_index(step, args), args)
 
-
 def get_bs(step: int, args: Hyperparameters) -> int:
     return stage_at(step, args).batch_size
-
 
 def get_lr(step: int, args: Hyperparameters) -> float:
     """Multiplier on every group's initial lr: a plateau that rises with the batch size, then a linear
@@ -2418,7 +2268,6 @@ def get_lr(step: int, args: Hyperparameters) -> float:
         return plateau * w + (1 - w) * args.lr_floor
     return plateau
 
-
 def get_muon_momentum(step: int, args: Hyperparameters) -> float:
     """Warm-up ramp over the first steps, then flat, then a cool-down over the last steps of the run. The
     warm-up wins where the two overlap, so a run of at most warm-up length never leaves the ramp."""
@@ -2430,7 +2279,6 @@ def get_muon_momentum(step: int, args: Hyperparameters) -> float:
     if step > cooldown_start:
         return c_from - ((step - cooldown_start) / c_steps) * (c_from - c_to)
     return w_to
-
 
 def schedule_line(step: int, args: Hyperparameters) -> str:
     """What the schedules say at a step: logged at each stage switch."""
@@ -2455,12 +2303,9 @@ def process_start_time() -> float:
     except (OSError, ValueError, IndexError):
         return time.time()
 
-
 PROCESS_START = process_start_time()  # for the cold-start figure in the log
 
-
 SEPARATOR = "=" * 100
-
 
 class Logger:
     """Rank 0 writes the log file (script source first, then the run) and echoes run lines to the console. The file
@@ -2485,13 +2330,11 @@ class Logger:
         with open(self.path, "a") as f:
             f.write(text + "\n")
 
-
 def nvidia_smi() -> str:
     try:
         return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return "nvidia-smi: not available\n"
-
 
 # --- CUDA graphs of the training micro-batch ---
 # At stage 1 the host needs about as long to launch a micro-batch's few hundred kernels as the GPU needs to run
@@ -2537,7 +2380,6 @@ class CudaGraph:
         pool = tuple(CudaGraph.pool)
         return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
                    if tuple(seg.get("segment_pool_id", ())) == pool)
-
 
 class MicroBatchGraphs:
     """Training micro-batches run as graphs, one per key (batch shapes, windows, softmax scale, whether it launches
@@ -2634,7 +2476,6 @@ class MicroBatchGraphs:
             self.adam.reduce_scatters_replayed(reduced)
         self.replays += 1
 
-
 class BatchStream:
     """Thin wrapper over the data generator so callers need not prime it with next()."""
 
@@ -2646,7 +2487,6 @@ class BatchStream:
             self.started = True
             return next(self.generator)  # the generator was created with the first settings
         return self.generator.send(settings)
-
 
 def build_optimizers(model: GPT, args: Hyperparameters):
     """NorMuon for the matrices and gates, DistAdam for the rest, by each parameter's label (set_optimizer_label)."""
@@ -2674,7 +2514,6 @@ def build_optimizers(model: GPT, args: Hyperparameters):
             group["initial_lr"] = group["lr"]
     return adam, muon
 
-
 def optimizer_step(step: int, model: nn.Module, adam, muon):
     """NorMuon steps every step; Adam every other step on the gradient summed over two steps."""
     if step % 2 == 0:
@@ -2686,16 +2525,13 @@ def optimizer_step(step: int, model: nn.Module, adam, muon):
         model.zero_grad(set_to_none=True)
         adam.should_sync = False
 
-
 @dataclass(frozen=True)
 class RunResult:
     steps: int
     val_loss: float           # the final validation's
     train_time_ms: float      # the timed loop's clock at the final validation
 
-
 TARGET_VAL_LOSS = 3.28
-
 
 def summary_line(args: Hyperparameters, runtime: "Runtime", result: RunResult) -> str:
     """The log's last line: what a reader (or records/compare.py) wants first."""
@@ -2707,21 +2543,17 @@ def summary_line(args: Hyperparameters, runtime: "Runtime", result: RunResult) -
             f"step_avg {result.train_time_ms / max(result.steps, 1):.2f}ms, {memory}, "
             f"target {TARGET_VAL_LOSS} {reached}")
 
-
 class RunStopped(Exception):
     """The run ends early with a message for the log's last line and an exit status (no traceback)."""
     status = 1
 
-
 class TrainingDiverged(RunStopped):
     status = 3
-
 
 class Interrupted(RunStopped):
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
         self.status = 128 + signum
-
 
 @dataclass
 class Trainer:
@@ -2917,7 +2749,6 @@ def compiled_graph_count() -> int:
     """Graphs torch.compile has produced in this process (model regions and optimizer helpers)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
-
 def compile_cache_counts() -> dict:
     """This process's cache hits and misses: Inductor's compiled graphs and AOT autograd's traced ones."""
     counters = torch._dynamo.utils.counters
@@ -2926,12 +2757,10 @@ def compile_cache_counts() -> dict:
                 aot_autograd=dict(hits=int(counters["aot_autograd"]["autograd_cache_hit"]),
                                   misses=int(counters["aot_autograd"]["autograd_cache_miss"])))
 
-
 def no_compiles_allowed(enabled: bool = True):
     """Context in which any torch.compile (re)compilation raises instead of silently spending tens of seconds:
     every graph the timed loop needs must have been compiled by the warm-up."""
     return torch.compiler.set_stance("fail_on_recompile") if enabled else contextlib.nullcontext()
-
 
 def replicas_identical(model: nn.Module) -> bool:
     """True when every rank holds bit-identical parameters (integer checksums of the raw bits, all-gathered)."""
@@ -2945,11 +2774,9 @@ def replicas_identical(model: nn.Module) -> bool:
     dist.all_gather(gathered, local)
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
-
 def synchronize(device: str):
     if device == "cuda":
         torch.cuda.synchronize()
-
 
 def peak_memory(device: str) -> tuple:
     """(allocated, reserved, the graphs' pool) in MiB: reserved is all the process holds on the GPU, the graphs' pool
@@ -2961,12 +2788,10 @@ def peak_memory(device: str) -> tuple:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     return rss, rss, 0
 
-
 def peak_memory_line(device: str) -> str:
     allocated, reserved, pool = peak_memory(device)
     return f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB" + \
         (f" graphs' pool: {pool} MiB" if device == "cuda" else "")
-
 
 class NonFiniteLossWatch:
     """Stops a run whose training loss is no longer finite, without making the host wait for the GPU: the device
@@ -2994,7 +2819,6 @@ class NonFiniteLossWatch:
             self.copied = torch.cuda.Event()
             self.copied.record()
 
-
 # --- bf16 GEMMs on CPUs without native bf16 ---
 # oneDNN runs bf16 GEMMs natively on x86 CPUs with AVX-512 (and AMX); on AVX2-only ones (most laptops and AMD
 # servers) ATen falls back to loops 5-7x slower than an fp32 GEMM, and the smoke run's bf16 lm_head alone would
@@ -3009,9 +2833,7 @@ def native_bf16_gemms() -> bool:
     except (AttributeError, RuntimeError):
         return False
 
-
 _Bf16GemmsInFp32 = None
-
 
 def bf16_gemms_in_fp32():
     """A dispatch mode (sees the backward's GEMMs too) that computes bf16 CPU GEMMs in fp32 and rounds the result
@@ -3073,7 +2895,6 @@ class Runtime:
                 f'data_path={args.data_path} train_epochs={args.train_epochs} smoke={int(args.smoke)} '
                 f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
 
-
 def grad_accum_steps_for(world_size: int) -> int:
     if world_size in (1, 2, 4, 8):
         return 8 // world_size
@@ -3081,7 +2902,6 @@ def grad_accum_steps_for(world_size: int) -> int:
         return 1  # multi-node: one micro-batch per rank, same global batch
     raise ConfigError(f"world size {world_size} is not supported: launch 1, 2, 4 or 8 processes per node "
                       "(or a multiple of 8 across nodes), e.g. torchrun --nproc_per_node=8")
-
 
 def pick_device(args: Hyperparameters) -> str:
     if args.device == "cpu":
@@ -3093,7 +2913,6 @@ def pick_device(args: Hyperparameters) -> str:
     if args.smoke:
         return "cpu"
     raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
-
 
 def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
     """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read."""
@@ -3118,7 +2937,6 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
                                                            and use_compile),
                    bf16_gemms_in_fp32=device == "cpu" and not use_compile and not native_bf16_gemms())
 
-
 def check_writable(path: Path, what: str) -> None:
     """The folder `path` is, or would be created in, must be one this process can write in: checked before anything
     is written or launched, so that a bad path is one line and not a traceback once the run has started."""
@@ -3134,10 +2952,8 @@ def check_writable(path: Path, what: str) -> None:
         raise ConfigError(f"{what} {path}: cannot write in {existing} ({e.strerror or e}); pick a folder you can "
                           "write in") from None
 
-
 def log_path(args: Hyperparameters, run_id: str) -> Path:
     return Path(args.log_dir) / f"{run_id}.txt"
-
 
 def check_outputs(args: Hyperparameters) -> None:
     """Where this run will write: the log folder, the log and checkpoint of --run-id (never written over unless
@@ -3157,7 +2973,6 @@ def check_outputs(args: Hyperparameters) -> None:
             raise ConfigError(f"--compile-cache {bundle} is a folder, not a file: name the bundle's file, e.g. "
                               f"{bundle / 'compile_cache.zip'}")
         check_writable(bundle.parent, "--compile-cache")
-
 
 def find_data(args: Hyperparameters, runtime: Runtime):
     """Check the data before any process group exists or any file is written. Every rank reads the same headers,
@@ -3193,7 +3008,6 @@ def find_data(args: Hyperparameters, runtime: Runtime):
                               f"({runtime.grad_accum_steps} x {runtime.world_size})")
     return train_files, val_files[0]
 
-
 def setup_process_group(runtime: Runtime):
     if runtime.device == "cuda":
         torch.cuda.set_device(runtime.local_rank)
@@ -3206,9 +3020,7 @@ def setup_process_group(runtime: Runtime):
             dist.init_process_group("gloo")
         dist.barrier()
 
-
 RECOMPILE_LIMIT = 64  # graphs per code object (a train and an eval graph each; a few more for tests)
-
 
 def build_model_and_optimizers(args: Hyperparameters, runtime: Runtime):
     """The model on this process's device (rank 0's initialisation on every rank, compiled per region) and its two
@@ -3228,7 +3040,6 @@ def build_model_and_optimizers(args: Hyperparameters, runtime: Runtime):
         muon.compile_helpers()
         adam.compile_helpers()
     return model, adam, muon
-
 
 def build_trainer(args: Hyperparameters, runtime: Runtime, log_file: Path, replace_log: bool = False) -> "Trainer":
     """Everything a run needs, in one place (run() and bench/bench.py both call this): data and output paths checked
@@ -3259,14 +3070,12 @@ def build_trainer(args: Hyperparameters, runtime: Runtime, log_file: Path, repla
         if runtime.cuda_graphs else None
     return Trainer(args, runtime, model, adam, muon, train_files, val_file, log, graphs)
 
-
 # A bundle of everything compiled for this script, to skip compilation on a fresh machine: PyTorch's portable cache
 # artifacts (Inductor graphs and their Triton kernels) plus the folders of kernel caches named by COMPILE_CACHE_DIRS,
 # in one zip with the versions it was made with. A bundle from other versions or GPUs is ignored, never an error.
 # Triton's folder holds Inductor's kernels too (already in the artifacts): only this script's own kernels travel.
 COMPILE_CACHE_DIRS = ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR", "TRITON_CACHE_DIR")
 INDUCTOR_DIR_ENTRY = "inductor_cache_dir.txt"  # the Inductor folder the bundle was written from
-
 
 def default_kernel_cache_dirs(env=os.environ) -> None:
     """Name every kernel-cache folder before anything compiles, so that a bundle knows where to restore and what to
@@ -3282,13 +3091,11 @@ def default_kernel_cache_dirs(env=os.environ) -> None:
         except Exception:  # a torch without it: Triton keeps its own default, which the bundle then skips
             pass
 
-
 def own_triton_kernels() -> set:
     """Names of the Triton kernels defined in this file (the names of their entries in Triton's cache)."""
     if triton is None:
         return set()
     return {name for name, obj in globals().items() if isinstance(obj, triton.runtime.jit.JITFunction)}
-
 
 def relocated_triton_group(data: bytes, folder: Path) -> bytes:
     """A Triton cache entry's group file lists its files by absolute path: point them into the folder restored here
@@ -3297,7 +3104,6 @@ def relocated_triton_group(data: bytes, folder: Path) -> bytes:
     group = json.loads(data)
     group["child_paths"] = {name: str(folder / Path(path).name) for name, path in group["child_paths"].items()}
     return json.dumps(group).encode()
-
 
 def kernel_cache_files(var: str, folder: Path) -> list:
     files = sorted(p for p in folder.rglob("*") if p.is_file())
@@ -3311,18 +3117,15 @@ def kernel_cache_files(var: str, folder: Path) -> list:
         files = [p for p in files if p.parent in ours]
     return files
 
-
 def compile_cache_key() -> dict:
     gpu = (f"{torch.cuda.get_device_name()} sm{''.join(map(str, torch.cuda.get_device_capability()))}"
            if torch.cuda.is_available() else "cpu")
     return dict(torch=torch.__version__, triton=triton.__version__ if triton else None, cuda=torch.version.cuda,
                 python=f"{sys.version_info.major}.{sys.version_info.minor}", gpu=gpu)
 
-
 def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     return cache_dir()
-
 
 def place_autotune_results(keys: list, origin: str) -> str:
     """Inductor's kernels come out of the bundle already compiled, and each looks up its autotuning result (which of
@@ -3347,7 +3150,6 @@ def place_autotune_results(keys: list, origin: str) -> str:
         return (f"; its autotuning results could not be placed under {origin} ({type(e).__name__}), so kernels "
                 f"benchmark their configs again: set TORCHINDUCTOR_CACHE_DIR={origin} to avoid it")
     return f"; {placed} autotuning results also placed under {origin}, where its kernels look for them"
-
 
 def load_compile_cache(path: Path) -> tuple[bool, str]:
     """(loaded, one line for the log). Restores the kernel-cache folders whose variable is set here."""
@@ -3382,7 +3184,6 @@ def load_compile_cache(path: Path) -> tuple[bool, str]:
     return True, (f"compile cache: loaded {path} ({path.stat().st_size / 2**20:.1f} MB, {restored} kernel-cache files)"
                   + autotune_note)
 
-
 def save_compile_cache(path: Path) -> str:
     """Write the bundle atomically (rank 0, after the warm-up), through a new temporary file of its own in the same
     folder; returns the line for the log."""
@@ -3411,7 +3212,6 @@ def save_compile_cache(path: Path) -> str:
         Path(tmp).unlink(missing_ok=True)
     return f"compile cache: wrote {path} ({path.stat().st_size / 2**20:.1f} MB, {files} kernel-cache files)"
 
-
 def compile_cache_after_warm_up(path: Path | None, loaded: bool) -> str:
     """After the warm-up (rank 0): write the bundle where none matched, and rewrite a loaded one that lacked graphs
     this run had to compile (written by an earlier version of the script, or with settings that change a graph):
@@ -3426,7 +3226,6 @@ def compile_cache_after_warm_up(path: Path | None, loaded: bool) -> str:
     return (f"compile cache: {path} lacked {misses} graph(s) this run compiled (the script or a setting that changes "
             f"a graph differs from the run that wrote it); " + save_compile_cache(path).removeprefix("compile cache: "))
 
-
 def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
     """(bundle path or None, loaded, line for the log), before anything compiles; run() and bench/bench.py share it."""
     default_kernel_cache_dirs()  # FA4 and quack read theirs at import: before resolve_runtime imports them
@@ -3434,7 +3233,6 @@ def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
         return None, False, ""
     path = Path(args.compile_cache)
     return (path, *load_compile_cache(path))
-
 
 def run(args: Hyperparameters) -> None:
     if args.check or args.check_flags:
@@ -3484,16 +3282,13 @@ def run(args: Hyperparameters) -> None:
         torch.save(dict(step=result.steps, code=Path(__file__).read_text(), model=trainer.model.state_dict(),
                         optimizers=[trainer.adam.state_dict(), trainer.muon.state_dict()]), path)
 
-
 RANK0_REPORT_GRACE_S = 3.0  # how long the other ranks wait for rank 0 to report a config error
-
 
 def stop_on_signal(signum, frame):
     """SIGINT and SIGTERM end the run through Interrupted: the log's closing line, one console line, exit 128+N."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)  # a second signal (Ctrl-C twice, the launcher's SIGTERM) adds nothing
     raise Interrupted(signum)
-
 
 def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
@@ -3522,7 +3317,6 @@ def main(argv=None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     sys.exit(main())
