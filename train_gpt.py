@@ -94,7 +94,7 @@ class Hyperparameters:
     train_files: str = setting("fineweb_train_*.bin", "glob of the training shards inside --data-path")
     val_files: str = setting("fineweb_val_*.bin", "glob of the validation shards inside --data-path")
     train_epochs: int = setting(1, "passes over the training shards; >1 lets a small (proxy) set last", COUNT)
-    val_tokens: int = setting(10_485_760, "validation tokens, the metric's 10*2^20 first tokens of the val shard", COUNT)
+    val_tokens: int = setting(10_485_760, "validation tokens: the metric's first 10*2^20 of the val shard", COUNT)
     val_batch_size: int = setting(4 * 64 * 1024 * 8, "global tokens per validation step", COUNT)
     train_max_seq_len: int = setting(2048, "longest training document, in tokens (longer ones are cut)", COUNT)
     # schedule
@@ -129,8 +129,9 @@ class Hyperparameters:
     muon_lr: float = setting(0.023, "NorMuon lr for the hidden matrices and gates", NONNEGATIVE)
     muon_weight_decay: float = setting(1.2, "NorMuon cautious weight decay (scaled by the scheduled lr)", NONNEGATIVE)
     muon_beta2: float = setting(0.95, "NorMuon second-moment decay", BELOW_ONE)
-    orthogonalizer: str = setting("polar", lambda: f"NorMuon's orthogonalizer: Polar Express ({len(POLAR_EXPRESS_COEFFS)}"
-                                  f" steps) or Turbo-Muon (AOL-preconditioned, {len(TURBO_MUON_COEFFS)} steps)",
+    orthogonalizer: str = setting("polar", lambda: f"NorMuon's orthogonalizer: Polar Express "
+                                  f"({len(POLAR_EXPRESS_COEFFS)} steps) or Turbo-Muon (AOL-preconditioned, "
+                                  f"{len(TURBO_MUON_COEFFS)} steps)",
                                   choices=("polar", "turbo"))
     # run
     val_loss_every: int = setting(250, "validate every N steps; 0: only at the end", NONNEGATIVE)
@@ -141,13 +142,14 @@ class Hyperparameters:
     device: str = setting("auto", "where to train; auto: CUDA when visible, else the CPU for --smoke",
                           choices=("auto", "cuda", "cpu"))
     kernels: str = setting("fused", lambda: "fused: each fused kernel this GPU runs (a checked twin of a plain "
-                                            "function); plain: PyTorch ops only; or a list of " + ",".join(FUSED_KERNELS))
+                                            "function); plain: PyTorch ops only; or a list: " + ",".join(FUSED_KERNELS))
     compile: str = setting("auto", "torch.compile the model and optimizer helpers; auto: on for CUDA; off: eager "
                                    "(debugging, the CPU)", choices=("auto", "on", "off"))
     fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA; off: bf16 (GPUs before Hopper)",
                        choices=("auto", "on", "off"))
     cuda_graphs: str = setting("auto", "replay each training micro-batch as one CUDA graph; auto: on with CUDA and "
-                                       "torch.compile; off: eager (debugging, A/B timing)", choices=("auto", "on", "off"))
+                                       "torch.compile; off: eager (debugging, A/B timing)",
+                               choices=("auto", "on", "off"))
     compile_cache: str = setting("", "compile-cache bundle (a .zip file): loaded before the warm-up when it matches "
                                      "this torch/triton/GPU, written after it when not; empty: off")
     log_dir: str = setting("logs", "folder for <run-id>.txt")
@@ -219,7 +221,7 @@ def parse_args(argv=None) -> Hyperparameters:
     for f in dataclasses.fields(Hyperparameters):
         default, help, choices = f.default, help_text(f), f.metadata["choices"]
         flag = flag_name(f.name)
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else repr(default) if default == "" else default
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default if default != "" else "''"
         help = f"{help} (default: {shown})"
         if isinstance(default, bool):
             parser.add_argument(flag, nargs="?", const=True, default=None, metavar="BOOL",
@@ -288,7 +290,7 @@ def validate_args(args: Hyperparameters):
     for flag, (start, end, steps) in (("--muon-momentum-warmup", args.muon_momentum_warmup),
                                       ("--muon-momentum-cooldown", args.muon_momentum_cooldown)):
         need(start < 1 and end < 1 and steps == int(steps),
-             f"{flag} takes START,END,STEPS with momenta below 1 and a whole number of steps, got {start},{end},{steps}")
+             f"{flag} takes START,END,STEPS: momenta below 1, a whole number of steps; got {start},{end},{steps}")
     need(args.val_tokens % args.val_batch_size == 0,
          f"--val-tokens ({args.val_tokens}) must be a multiple of --val-batch-size ({args.val_batch_size})")
 
@@ -307,9 +309,8 @@ FP8_GRAD_SCALE = 1.0 / 448
 _SCALE_TENSORS = {}
 
 def _scale_tensor(value: float, like: Tensor) -> Tensor:
-    """The scale as a device scalar, made once per (value, device): torch.tensor(value, device="cuda") is a
-    blocking host-to-device copy, and six of them per micro-batch would stall the CPU until the GPU had drained
-    its queue, leaving the GPU idle while the next kernels are launched."""
+    """The scale as a device scalar, made once per (value, device): torch.tensor(value, device="cuda") is a blocking
+    copy, and six of them per micro-batch would stall the host until the GPU had drained its queue."""
     key = (value, like.device)
     if key not in _SCALE_TENSORS:
         _SCALE_TENSORS[key] = torch.tensor(value, dtype=torch.float32, device=like.device)
@@ -363,7 +364,8 @@ def fp8_matmul_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float
     caller has it (the fused softcap/cross-entropy backward writes both layouts in one pass), else made here."""
     g_f8_t = transpose_bytes(g_f8) if g_f8_t is None else g_f8_t
     grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16,
-                              scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(w_s, g_f8), use_fast_accum=False)
+                              scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(w_s, g_f8),
+                              use_fast_accum=False)
     # dW in the weight's own layout and dtype, (vocab, 768) bf16. The record computes (768, vocab) in fp32 and
     # returns its transpose, which autograd then casts to bf16 and adds into the gradient with strided passes
     # over 38.6M elements. The GEMM alone is a little slower this way round, far less than the passes it saves cost.
@@ -497,9 +499,8 @@ def fused_lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, fp8: bool) -> Tens
     return FusedLMHeadLoss.apply(x, w, targets)
 
 def transpose_bytes(x: Tensor) -> Tensor:
-    """Contiguous transpose of a 2-D tensor of 1-byte elements (the FP8 gradient). Inductor, left to itself,
-    fuses this transpose into the cross-entropy backward kernel with scattered 1-byte stores; a tiled
-    kernel on the quantised gradient moves the same bytes at close to memory bandwidth."""
+    """Contiguous transpose of a 2-D tensor of 1-byte elements (the FP8 gradient) by a tiled kernel at close to
+    memory bandwidth; Inductor, left to itself, fuses it into the producer with scattered 1-byte stores."""
     assert x.dim() == 2 and x.element_size() == 1 and x.is_contiguous()
     if not _kernels_usable(x):
         return x.t().contiguous()
@@ -780,12 +781,10 @@ def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, windo
         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
         dq=dq, dk=dk, dv=dv)
 
-# q/k RMS norm and rotary in one Triton pass, inside the FlashAttention-4 op. Inductor fuses
-# the same chain, but as a two-loop reduction that parks the rotated rows in fp32 scratch, and its backward then
-# copies dv into the qkv gradient in one more pass. Here the forward reads each raw q/k head row once and writes
-# it normalised and rotated; the backward lets FlashAttention-4 write dv straight into its slot of the qkv
-# gradient and fills the q and k slots with one pass. Math as Inductor's: fp32 throughout, one rounding at the
-# store, eps = float32's, rotary on the two halves of each head (x1·cos + x2·sin, x2·cos - x1·sin).
+# q/k RMS norm and rotary in one Triton pass inside the FlashAttention-4 op (Inductor parks the rotated rows in fp32
+# scratch and copies dv into the qkv gradient in one more pass): the forward reads each raw q/k row once, the
+# backward lets FlashAttention-4 write dv into its slot of the qkv gradient and fills the q and k slots in one pass.
+# The math is norm() and rotary()'s, in fp32 with one rounding at the store (tests pin it against them).
 
 if triton is not None:
 
@@ -968,8 +967,7 @@ def fa4_on_this_gpu():
 #                B = b·A + c·A·A     ns_line_2  ba_plus_cAA  (A symmetric, so A·A = A·Aᵀ: same scheme)
 #                X ← a·X + B·X       ns_line_3  ax_plus_bx   (accumulator starts at a·X; no baddbmm copy)
 #
-# The kernels match float64 to bf16 rounding and beat torch matmuls on the trainer's stacks (tests/gpu). Their tiles
-# are not autotuned (the record's 36-config autotune per shape cost minutes of cold start): kernel_config() picks them.
+# kernel_config() picks the tiles: autotuning them, as the record does, costs minutes of cold start.
 
 POLAR_EXPRESS_COEFFS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -1077,7 +1075,8 @@ if triton is not None:
         mask = (rows[:, None] < M) & (cols[None, :] < M)
         if ADD_X:
             x_tile = tl.load(X + rows[:, None] * s_xm + cols[None, :] * s_xk, mask=mask, other=0.0)
-            acc = tl.cast(alpha, tl.float32) * acc + tl.cast(beta, tl.float32) * x_tile.to(tl.float32)  # fp64 under inductor
+            # (the casts: Inductor passes Python floats as fp64)
+            acc = tl.cast(alpha, tl.float32) * acc + tl.cast(beta, tl.float32) * x_tile.to(tl.float32)
         out = acc.to(C.dtype.element_ty)
         tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_cn, out, mask=mask)
         if tj < ti:
@@ -1206,7 +1205,7 @@ def _polar_loop(G: Tensor, turbo: bool, dtype, ops, buffers: bool) -> Tensor:
     B = torch.empty_like(A) if buffers else None
     if turbo:
         # AOL preconditioning fused into iteration 1: one Gram of the raw X serves both the row scaling
-        # s = rsqrt(rowsum|A|·1.02 + eps) (‖diag(s)X‖₂ <= 1 by Gershgorin) and A₁ = diag(s) A diag(s) = X₁X₁ᵀ.
+        # s = rsqrt(rowsum|A|·1.02 + eps) (‖diag(s)X‖₂ <= 1 by Gershgorin) and A₁ = diag(s) A diag(s).
         A = gram(X, A)
         s = torch.rsqrt(A.to(acc).abs().sum(dim=-1, keepdim=True) * TURBO_AOL_SAFETY + TURBO_AOL_EPS)
         X = (X.to(acc) * s).to(dtype)
@@ -1342,15 +1341,10 @@ def normuon_groups(params, world_size: int) -> tuple[list, str]:
 
 class NorMuon(torch.optim.Optimizer):
     """Muon with Polar Express orthogonalization, NorMuon row normalisation and cautious weight decay, as in the
-    December 2025 record.
-
-    Params are grouped (normuon_groups) and every group is split into W contiguous chunks of ceil(size/W) params;
-    rank r updates only its chunk. A group's params are the rows of one stack of chunk*W matrices (zero padding
-    last), its gradients are gathered in another (grad_buffers: CUDA graphs accumulate them there, so nothing is
-    copied). step(): reduce-scatter(AVG) every group's gradient stack into the rank's shard, update the rank's rows
-    of the parameter stack in place, all-gather the stack in place. Made at the first step, per group:
-    momentum_buffer, second_momentum_buffer (param dtype, the local shard stacked) and lr_eff / wd_eff (0-D CPU fp32
-    tensors, one per local param)."""
+    December 2025 record. Params are grouped (normuon_groups), and each group is split into W chunks of ceil(size/W)
+    params: rank r updates chunk r. A group's params are the rows of one stack of chunk*W matrices (zero padding
+    last), its gradients the rows of another (grad_buffers: the CUDA graphs accumulate there). step():
+    reduce-scatter(AVG) each gradient stack into the rank's shard, update the rank's rows, all-gather the stack."""
 
     def __init__(self, params, lr=0.023, weight_decay=1.2, momentum=0.95, beta2=0.95, orthogonalizer="polar"):
         if orthogonalizer not in ("polar", "turbo"):
@@ -1360,7 +1354,7 @@ class NorMuon(torch.optim.Optimizer):
             raise ValueError("NorMuon got an empty parameter list")
         for p in params:
             if p.dim() != 2:
-                raise ValueError(f"NorMuon needs 2-D params, got shape {tuple(p.shape)} (label {getattr(p, 'label', None)!r})")
+                raise ValueError(f"NorMuon needs 2-D params, got {tuple(p.shape)} ({getattr(p, 'label', None)!r})")
         self.world_size, self.rank = _dist_world()
         self.turbo = orthogonalizer == "turbo"
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2)
@@ -1379,13 +1373,13 @@ class NorMuon(torch.optim.Optimizer):
             shape, dtype = ps[0].shape, ps[0].dtype
             for p in ps:
                 assert p.shape == shape and p.dtype == dtype, \
-                    f"NorMuon group {group['label']!r} mixes shapes/dtypes: {tuple(p.shape)} {p.dtype} vs {tuple(shape)} {dtype}"
+                    f"NorMuon group {group['label']!r} mixes {tuple(p.shape)} {p.dtype} with {tuple(shape)} {dtype}"
             size = len(ps)
             chunk = -(-size // W)
             lo, hi = min(size, r * chunk), min(size, r * chunk + chunk)
             local_labels = {getattr(p, "label", None) for p in ps[lo:hi]}
             assert not ("attn" in local_labels and len(local_labels) > 1), \
-                f"NorMuon rank {r} would mix attn with {sorted(map(str, local_labels - {'attn'}))} in group {group['label']!r}"
+                f"NorMuon rank {r} would mix attn with {sorted(map(str, local_labels - {'attn'}))} ({group['label']!r})"
             is_attn = local_labels == {"attn"}
             if is_attn:
                 assert shape[0] == 4 * shape[1], f"attn params must be (4d, d) = [QKV; Wo], got {tuple(shape)}"
@@ -1492,14 +1486,11 @@ def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_
     p.copy_(p.float() - step_size * (exp_avg.float() / (exp_avg_sq.float().sqrt() + eps)))
 
 class DistAdam(torch.optim.Optimizer):
-    """ZeRO-1 Adam without weight decay (the record's): every param is split along dim 0 into W equal slices; rank
-    r keeps the Adam state of, and updates, rows [r*n/W, (r+1)*n/W), then all-gathers the param.
-
-    A post-accumulate-grad hook reduce-scatters (AVG) each gradient while `should_sync` is set (the trainer sets
-    it for the last backward before a step()), into a buffer that lives as long as the optimizer, so a CUDA graph
-    that captured the reduce-scatter writes the same addresses at every replay. step() updates exactly the params
-    with a pending reduce-scatter; with one process, those with a p.grad. Groups by label: lm_head, scalars,
-    value_embed, embed, other. State per param: step, exp_avg, exp_avg_sq (slice shape, param dtype)."""
+    """ZeRO-1 Adam without weight decay (the record's): rank r keeps the state of, and updates, rows [r*n/W,
+    (r+1)*n/W) of each param, then all-gathers it. While `should_sync` is set (the last backward before a step()),
+    a post-accumulate-grad hook reduce-scatters (AVG) each gradient into a buffer as long-lived as the optimizer,
+    so a CUDA graph that captured it writes the same addresses at every replay. step() updates the params with a
+    pending reduce-scatter (one process: those with a p.grad)."""
 
     def __init__(self, params, lr=0.008, betas=(0.65, 0.95), eps=1e-8):
         params = [p for p in params]
@@ -2044,12 +2035,9 @@ class DataExhausted(RuntimeError):
     """The training files ran out before the schedule ended."""
 
 class BOSFinder:
-    """Cuts BOS-aligned per-rank batches out of one shard.
-
-    Every sequence starts at a document's BOS; documents longer than max_seq_len are truncated (the rest is
-    dropped); the last document of a rank is cut so that the rank gets exactly L+1 tokens. One call serves all
-    ranks (rank 0 first) from a shared cursor, so every rank of every process sees the same cut.
-    """
+    """Cuts BOS-aligned per-rank batches out of one shard: every sequence starts at a document's BOS, longer documents
+    are cut at max_seq_len, and a rank's last document where it has L+1 tokens. One call serves all ranks (rank 0
+    first) from a shared cursor, so every process sees the same cut."""
     QUICK_SCAN_TOKENS = 4_000_000
     QUICK_SCAN_BATCHES = 5
 
@@ -2156,11 +2144,8 @@ def to_device(batch: tuple, device: str) -> tuple:
 
 def distributed_data_generator(files: list, batch_size: int, max_seq_len: int, grad_accum_steps: int,
                                rank: int, world_size: int, epochs: int = 1, device: str = "cpu"):
-    """Yields (inputs int32, targets int64, cu_seqlens int32) for this rank's next micro-batch.
-
-    Drive it with .send(): None keeps the settings, (batch_size, max_seq_len, grad_accum_steps) changes them
-    and the batch returned by that same send already uses them. Casts happen on the CPU before the copy.
-    """
+    """Yields (inputs int32, targets int64, cu_seqlens int32) for this rank's next micro-batch. .send(None) keeps the
+    settings, .send((batch_size, max_seq_len, grad_accum_steps)) changes them for the batch it returns."""
     loader = ShardLoader(files, world_size, epochs, pin_memory=(device == "cuda"))
     tokens, finder = loader.first()
     while True:
@@ -2470,7 +2455,7 @@ class MicroBatchGraphs:
                 mine.copy_(t, non_blocking=True)
         graph, _, reduced = entry
         graph.replay()
-        for i in grads_started:  # the replay wrote their buffers; their .grad is still None (no Python runs in a replay)
+        for i in grads_started:  # the replay wrote their buffers; .grad is still None (no Python runs in a replay)
             self.params[i].grad = self.grads[i]
         if reduced:
             self.adam.reduce_scatters_replayed(reduced)
@@ -2539,7 +2524,8 @@ def summary_line(args: Hyperparameters, runtime: "Runtime", result: RunResult) -
     allocated, reserved, pool = peak_memory(runtime.device)
     memory = (f"peak_memory {allocated} MiB allocated, {reserved} MiB reserved ({pool} MiB graphs' pool)"
               if runtime.device == "cuda" else "peak_memory n/a (cpu)")
-    return (f"summary: val_loss {result.val_loss:.4f} at step {result.steps}, train_time {result.train_time_ms / 1000:.3f}s, "
+    return (f"summary: val_loss {result.val_loss:.4f} at step {result.steps}, "
+            f"train_time {result.train_time_ms / 1000:.3f}s, "
             f"step_avg {result.train_time_ms / max(result.steps, 1):.2f}ms, {memory}, "
             f"target {TARGET_VAL_LOSS} {reached}")
 
@@ -2575,7 +2561,8 @@ class Trainer:
     def new_batches(self, batch_size: int) -> BatchStream:
         a, r = self.args, self.runtime
         return BatchStream(distributed_data_generator(self.train_files, batch_size, a.train_max_seq_len,
-                                                      r.grad_accum_steps, r.rank, r.world_size, a.train_epochs, r.device))
+                                                      r.grad_accum_steps, r.rank, r.world_size, a.train_epochs,
+                                                      r.device))
 
     def train_step(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
                    micro_batches: int) -> Tensor:
@@ -2751,11 +2738,11 @@ def compiled_graph_count() -> int:
 
 def compile_cache_counts() -> dict:
     """This process's cache hits and misses: Inductor's compiled graphs and AOT autograd's traced ones."""
-    counters = torch._dynamo.utils.counters
-    return dict(inductor=dict(hits=int(counters["inductor"]["fxgraph_cache_hit"]),
-                              misses=int(counters["inductor"]["fxgraph_cache_miss"])),
-                aot_autograd=dict(hits=int(counters["aot_autograd"]["autograd_cache_hit"]),
-                                  misses=int(counters["aot_autograd"]["autograd_cache_miss"])))
+    c = torch._dynamo.utils.counters
+    return dict(inductor=dict(hits=int(c["inductor"]["fxgraph_cache_hit"]),
+                              misses=int(c["inductor"]["fxgraph_cache_miss"])),
+                aot_autograd=dict(hits=int(c["aot_autograd"]["autograd_cache_hit"]),
+                                  misses=int(c["aot_autograd"]["autograd_cache_miss"])))
 
 def no_compiles_allowed(enabled: bool = True):
     """Context in which any torch.compile (re)compilation raises instead of silently spending tens of seconds:
@@ -2820,11 +2807,9 @@ class NonFiniteLossWatch:
             self.copied.record()
 
 # --- bf16 GEMMs on CPUs without native bf16 ---
-# oneDNN runs bf16 GEMMs natively on x86 CPUs with AVX-512 (and AMX); on AVX2-only ones (most laptops and AMD
-# servers) ATen falls back to loops 5-7x slower than an fp32 GEMM, and the smoke run's bf16 lm_head alone would
-# take minutes. A bf16 x bf16 product is exact in fp32, so an fp32 GEMM of the bf16 operands, rounded once to bf16,
-# is what a bf16 GEMM with fp32 accumulation computes (up to the order of the sums): on such CPUs the eager CPU
-# path routes every bf16 GEMM, forward and backward, through fp32.
+# On x86 CPUs without AVX-512 (most laptops, AMD servers) ATen runs bf16 GEMMs as loops 5-7x slower than an fp32
+# GEMM. A bf16 x bf16 product is exact in fp32, so an fp32 GEMM of the bf16 operands rounded once to bf16 is what a
+# bf16 GEMM with fp32 accumulation computes (up to the order of the sums): there the eager CPU path takes it.
 
 def native_bf16_gemms() -> bool:
     """Whether ATen hands bf16 GEMMs on this CPU to oneDNN (honours ONEDNN_MAX_CPU_ISA)."""
@@ -3128,11 +3113,10 @@ def inductor_cache_dir() -> str:
     return cache_dir()
 
 def place_autotune_results(keys: list, origin: str) -> str:
-    """Inductor's kernels come out of the bundle already compiled, and each looks up its autotuning result (which of
-    its launch configs won) beside the source file it was compiled from: by that file's absolute path on the machine
-    that wrote the bundle. PyTorch restores the results into this machine's Inductor folder; where that folder has
-    another path, every kernel with several configs would be benchmarked again at its first launch. So copy them to
-    the bundle's path as well. Returns a note for the log line ("" when nothing needed doing)."""
+    """A kernel from the bundle looks up its autotuning result beside its source file, by that file's absolute path
+    on the machine that wrote the bundle; PyTorch restores the results into this machine's Inductor folder. Where the
+    two differ, copy them to the bundle's path too, or every kernel would benchmark its configs again. Returns a note
+    for the log line ("" when nothing needed doing)."""
     here = Path(inductor_cache_dir())
     if not keys or not origin or Path(origin) == here:
         return ""
@@ -3180,7 +3164,8 @@ def load_compile_cache(path: Path) -> tuple[bool, str]:
                     target.write_bytes(data)
                     restored += 1
     except (OSError, KeyError, ValueError, zipfile.BadZipFile, RuntimeError) as e:
-        return False, f"compile cache: {path} unreadable ({type(e).__name__}: {e}); ignored, rewritten after the warm-up"
+        return False, (f"compile cache: {path} unreadable ({type(e).__name__}: {e}); ignored, rewritten after the "
+                       "warm-up")
     return True, (f"compile cache: loaded {path} ({path.stat().st_size / 2**20:.1f} MB, {restored} kernel-cache files)"
                   + autotune_note)
 
