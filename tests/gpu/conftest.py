@@ -3,10 +3,12 @@
     SPEEDRUN_GPU_JSON=bench/results/<date>_<device>_gpu_checks.json python3 -m pytest -m gpu tests/gpu
 
 writes, at the end of the session, the run's metadata (date, device, torch, triton, python, commit, command), every
-measurement the tests put into `gpu_results` (keys as the former bench/gpu_checks.py wrote them: fp8_lm_head,
-fused_fp8_head, attention_<backend>_w<window>, attention_speed_<backend>_w<window>, triton_<shape>,
-orthogonalizer <stack>) and each test's outcome under "outcomes". SPEEDRUN_COMMIT, when set, is the commit recorded
-instead of .git's HEAD (a copied working tree may carry a stale .git).
+measurement the tests put into `gpu_results` (one entry per check: fp8_lm_head, fp8_quantize_<x|w>,
+fp8_weight_gradient, attention_<varlen|fa4>_w<window>, attention_speed_<kernel>_w<window>,
+attention_fa4_vs_varlen_w<window>, attention_fa4_first_call_s, fused_attention_<stage>_<ve|no_ve>, fused_mlp,
+fused_attention_output, fused_lm_head_loss, fused_head_passes_<regime>, triton_<shape>, orthogonalizer <stack>;
+fused_<kernel>: "unavailable: ..." where a fused kernel cannot run) and each test's outcome under "outcomes".
+SPEEDRUN_COMMIT, when set, is the commit recorded instead of .git's HEAD (a copied working tree may carry a stale .git).
 """
 import datetime
 import json
