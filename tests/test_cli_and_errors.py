@@ -47,11 +47,14 @@ def test_help_gives_each_flag_its_description_default_and_allowed_values(tmp_pat
     r = run_script(["--help"], cwd=tmp_path, env=child_env(COLUMNS="2000"))  # no wrapping inside words
     text = " ".join(r.stdout.split())
     for f in dataclasses.fields(tg.Hyperparameters):
-        assert f.metadata["help"], f"{f.name} has no --help text"
-        assert " ".join(f.metadata["help"].split()) in text, f.name
-    assert "--orthogonalizer {polar,turbo}" in text and "--attn-backend {auto,fa4,varlen,reference}" in text
+        assert tg.help_text(f), f"{f.name} has no --help text"
+        assert " ".join(tg.help_text(f).split()) in text, f.name
+    assert "--orthogonalizer {polar,turbo}" in text and "--kernels TEXT" in text
+    # help strings that quote tables defined further down in the file are made when --help is printed
+    assert "Polar Express (5 steps) or Turbo-Muon (AOL-preconditioned, 4 steps)" in text
+    assert "or a list of attention,mlp,attention_output,lm_head_loss (default: fused)" in text
     assert "unseeded, like the record (default: -1)" in text
-    assert "(default: None)" not in text
+    assert "(default: None)" not in text and "lambda" not in text
 
 
 @pytest.mark.parametrize("argv,flag", [(["--ws-schedule", "3,x"], "--ws-schedule"),
@@ -106,7 +109,8 @@ def test_smoke_preset_then_explicit_override_wins():
     (["--orthogonalizer", "newton"], "--orthogonalizer"),
     (["--val-tokens", "1000", "--val-batch-size", "300"], "--val-tokens"),
     (["--model-dim", "100"], "--model-dim"),
-    (["--attn-backend", "flash"], "--attn-backend"),
+    (["--kernels", "flash"], "--kernels"),
+    (["--kernels=,"], "--kernels must be fused, plain or a comma-separated list"),
     (["--device", "tpu"], "--device"),
     (["--train-epochs", "0"], "--train-epochs"),
     (["--ws-schedule", "3,7"], "--ws-schedule"),
@@ -316,7 +320,7 @@ def test_an_unwritable_log_dir_is_one_line_and_check_catches_it(tmp_path, good_d
 
 
 def test_the_cpu_fallback_of_a_smoke_run_is_noted_once_and_help_says_when_it_happens(tmp_path, good_data):
-    assert "else the CPU for --smoke" in tg.Hyperparameters.__dataclass_fields__["device"].metadata["help"]
+    assert "else the CPU for --smoke" in tg.help_text(tg.Hyperparameters.__dataclass_fields__["device"])
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     args = smoke_args(good_data, tmp_path, "--check")
@@ -362,20 +366,41 @@ def test_error_bad_orthogonalizer(tmp_path, good_data):
     assert_one_line_error(r, "--orthogonalizer", "newton-schulz")
 
 
-def test_error_gpu_attention_backend_on_cpu(tmp_path, good_data):
-    r = run_script(smoke_args(good_data, tmp_path, "--attn-backend", "fa4"), cwd=tmp_path)
-    assert_one_line_error(r, "--attn-backend")
+def test_a_fused_kernel_named_in_kernels_that_cannot_run_here_is_one_line(tmp_path, good_data):
+    r = run_script(smoke_args(good_data, tmp_path, "--kernels", "mlp,attention"), cwd=tmp_path)
+    assert_one_line_error(r, "--kernels", "fused attention kernel cannot run here", "--kernels plain")
+    assert not (tmp_path / "logs").exists()
 
 
-def test_error_compile_with_reference_attention(tmp_path, good_data):
+@pytest.mark.parametrize("flag,value", [("--attn-backend", "fa4"), ("--mlp-kernel", "quack"),
+                                        ("--fused-fp8-head", "on")])
+def test_the_removed_kernel_flags_are_unknown(flag, value):
+    with pytest.raises(tg.ConfigError, match=f"unrecognized arguments: {flag} {value}"):
+        tg.parse_args([flag, value])
+
+
+def test_kernels_fused_takes_the_plain_functions_on_the_cpu_and_a_list_must_run_here():
+    assert tg.parse_kernels("fused") == set(tg.FUSED_KERNELS) and tg.parse_kernels("plain") == set()
+    assert tg.parse_kernels(" mlp, attention ") == {"mlp", "attention"} and tg.parse_kernels("mlp,flash") is None
+    for flag in ("fused", "plain"):
+        runtime = tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--kernels", flag]), env={})
+        assert runtime.kernels == {n: k.plain for n, k in tg.FUSED_KERNELS.items()} and runtime.fused == "none"
+        assert runtime.kernel_notes == ()  # nothing to say on the CPU: no fused kernel runs there
+    with pytest.raises(tg.ConfigError, match="the fused lm_head_loss kernel cannot run here"):
+        tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--kernels", "lm_head_loss"]), env={})
+
+
+def test_error_compile_on_the_cpu(tmp_path, good_data):
     r = run_script(smoke_args(good_data, tmp_path, "--compile", "on"), cwd=tmp_path)
-    assert_one_line_error(r, "reference attention")
+    assert_one_line_error(r, "--compile on", "CUDA GPU", "reference attention")
 
 
 def test_save_checkpoint_writes_final_state(tmp_path, good_data):
     r = run_script(smoke_args(good_data, tmp_path, "--num-scheduled-iterations", "3", "--num-extension-iterations", "1",
-                              "--val-loss-every", "0", "--warmup-steps-per-stage", "1", "--save-checkpoint",
-                              "--run-id", "ck"), cwd=tmp_path, timeout=300)
+                              "--val-loss-every", "0", "--save-checkpoint", "--run-id", "ck",
+                              # small batches: the CPU's time goes to the lm_head, per token
+                              "--train-bs-schedule", "128,128,128", "--train-bs-extension", "128",
+                              "--val-tokens", "1024", "--val-batch-size", "1024"), cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     state = torch.load(tmp_path / "logs" / "ck" / "state_step000004.pt", weights_only=False)
     assert state["step"] == 4 and state["code"] == (REPO / "train_gpt.py").read_text()

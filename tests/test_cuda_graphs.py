@@ -1,58 +1,111 @@
 """--cuda-graphs: each training micro-batch replayed as one graph. Real CUDA graphs need a GPU (bench/bench.py
---check-graphs trains with and without them there and compares the weights bit for bit); here a stand-in graph that
-reruns the captured function on the graph's own tensors pins down everything around it: which micro-batch runs
-eagerly, which is captured and which replayed, the graph's copies of the batch, its gradient buffers, the loss's
-divisor and the keys."""
+--check-graphs trains with and without them there and compares the weights bit for bit); here stand-in graphs pin
+down everything around them: that a key's first micro-batch is captured and later ones replayed, the graph's copies
+of the batch, its gradient buffers, the loss's divisor and the keys. A traced stand-in (make_fx) freezes the host
+values a micro-batch reads, as a CUDA graph does, to show the rule GPT.forward states: a Python number the forward
+reads reaches the replays only as a tensor or as an entry of MicroBatchGraphs.key()."""
 import copy
 import dataclasses
+import types
 
 import pytest
 import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import train_gpt as tg
 from proxy_shards import build_shards
 
 
 class RerunGraph:
-    """Stands in for CudaGraph: capture runs the function once (as CudaGraph's eager run before its capture does) and
-    keeps it; replay runs it again, on whatever its captured tensors hold then."""
+    """Stands in for CudaGraph's first capture, which runs the micro-batch as it captures: capture runs the function
+    and keeps it (True: its work is done); replay runs it again, on whatever its captured tensors hold then."""
 
-    def capture(self, fn):
+    def capture(self, fn) -> bool:
         fn()
         self.fn = fn
+        return True
 
     def replay(self):
         self.fn()
+
+
+class DeferredGraph:
+    """Stands in for CudaGraph's later captures, which only record: capture keeps the function without running it
+    (False: a replay must do the work); replay runs it."""
+
+    def capture(self, fn) -> bool:
+        self.fn = fn
+        return False
+
+    def replay(self):
+        self.fn()
+
+
+class TracedGraph:
+    """Records like a CUDA graph: capture traces the function with make_fx on the real tensors it touches (which runs
+    it once, so its work is done) into a graph of tensor ops, the autograd backward and the copies into the graphs'
+    buffers included. Every Python number the function read is written into that graph as a constant; the tensors
+    stay the same objects. replay runs the recorded ops again, and no Python."""
+
+    def capture(self, fn) -> bool:
+        self.graph = make_fx(fn, tracing_mode="real")()
+        return True
+
+    def replay(self):
+        with torch.no_grad():  # the backward is among the recorded ops: nothing for autograd to do
+            self.graph()
 
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("graphs")
     build_shards(folder / "data", train_shards=1, tokens_per_train_shard=80_000, val_tokens=10_000)
+    # two stages and the extension, micro-batches of 16 and 32 tokens: the CPU's time goes to the op count of a
+    # micro-batch (twelve layers, forward and backward), so fewer of them, not fewer tokens, make the tests fast
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0",
-                          "--train-bs-schedule", "512,1024,1536", "--train-bs-extension", "1536",
-                          "--train-max-seq-len", "128",
+                          "--train-bs-schedule", "128,256", "--ws-schedule", "3,7", "--lr-plateaus", "1,1.5",
+                          "--lr-plateau-starts", "0,0.5", "--train-bs-extension", "256", "--train-max-seq-len", "128",
                           "--data-path", str(folder / "data"), "--log-dir", str(folder / "logs")])
-    rt = tg.resolve_runtime(args, env={})
-    return tg.build_trainer(args, rt, folder / "logs" / "graphs.txt")
+    runtime = tg.resolve_runtime(args, env={})
+    return tg.build_trainer(args, runtime, folder / "logs" / "graphs.txt")
+
+
+@pytest.fixture(scope="module")
+def initial(trainer):
+    return copy.deepcopy(dict(model=trainer.model.state_dict(),
+                              opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
 
 
 def train_steps(trainer, graphs, steps_per_stage: int = 1, one_micro_batch: bool = False) -> tuple[list, list, list]:
-    """steps_per_stage training steps of every stage from the trainer's current weights (one_micro_batch: each step
-    one micro-batch, as on 8 GPUs): the weights after, every micro-batch's loss, and per step the params whose
-    gradients its graph key says it starts."""
+    """steps_per_stage training steps (Trainer.train_step) of every stage from the trainer's current weights
+    (one_micro_batch: each step one micro-batch, as on 8 GPUs): the weights after, every micro-batch's loss, and per
+    step the params whose gradients its graph key says it starts."""
     trainer.graphs = graphs
     args, model = trainer.args, trainer.model
-    micro_batches = 1 if one_micro_batch else trainer.rt.grad_accum_steps
+    micro_batches = 1 if one_micro_batch else trainer.runtime.grad_accum_steps
     step, losses, starts = 0, [], []
-    for stage in tg.stages(args):
-        model.yarn.set_window(stage.ws_long)
-        batches = trainer.new_batches(stage.batch_size)
-        for _ in range(steps_per_stage):
-            if graphs is not None:
-                starts.append({id(graphs.params[i]) for i in graphs.key((), 0, 0)[-1]})
-            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, micro_batches, losses)
-            step += 1
+
+    def accumulate_gradients(*a):  # train_step's own call, watched: every micro-batch's loss
+        got = tg.Trainer.accumulate_gradients(trainer, *a)
+        assert len(got) == micro_batches
+        # with graphs the last one is the graphs' loss buffer, which the next replay overwrites
+        losses.extend(loss.clone() for loss in got)
+        return got
+
+    trainer.accumulate_gradients = accumulate_gradients
+    try:
+        for stage in tg.stages(args):
+            model.yarn.set_window(stage.ws_long)
+            batches = trainer.new_batches(stage.batch_size)
+            for _ in range(steps_per_stage):
+                if graphs is not None:
+                    starts.append({id(graphs.params[i]) for i in graphs.key((), 0, 0)[-1]})
+                last = trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, micro_batches)
+                assert torch.equal(last, losses[-1])  # train_step returns the step's last micro-batch loss
+                step += 1
+    finally:
+        del trainer.accumulate_gradients
     return [p.detach().clone() for p in model.parameters()], losses, starts
 
 
@@ -62,48 +115,90 @@ def from_the_start(trainer, initial):
         opt.load_state_dict(state)
     trainer.model.zero_grad(set_to_none=True)
     trainer.model.yarn.reset()
+    trainer.graphs = None
 
 
-def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(trainer):
-    initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
-                                 opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
-    eager, eager_losses, _ = train_steps(trainer, None)
+@pytest.fixture(scope="module")
+def eager_steps(trainer, initial):
+    """Eager training, once per module: (steps_per_stage, one_micro_batch) -> train_steps' result."""
+    done = {}
+
+    def get(steps_per_stage: int, one_micro_batch: bool):
+        if (steps_per_stage, one_micro_batch) not in done:
+            from_the_start(trainer, initial)
+            done[steps_per_stage, one_micro_batch] = train_steps(trainer, None, steps_per_stage, one_micro_batch)
+            from_the_start(trainer, initial)
+        return done[steps_per_stage, one_micro_batch]
+    return get
+
+
+# A capture that ran the micro-batch (CudaGraph's first) must not be replayed as well, and one that only recorded
+# (every later capture) must be replayed at once: either mistake adds a micro-batch's gradients twice or never.
+@pytest.mark.parametrize("graph", [RerunGraph, DeferredGraph], ids=["capture-runs", "capture-records"])
+def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(trainer, initial, eager_steps, graph,
+                                                                              monkeypatch):
+    eager, eager_losses, _ = eager_steps(1, False)
     from_the_start(trainer, initial)
-    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers, new_graph=RerunGraph)
-    graphed, graphed_losses, _ = train_steps(trainer, graphs)
-    from_the_start(trainer, initial)
+    monkeypatch.setattr(tg.MicroBatchGraphs, "Graph", graph)
+    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers)
+    try:
+        graphed, graphed_losses, _ = train_steps(trainer, graphs)
+    finally:
+        from_the_start(trainer, initial)
     assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
+    assert len(graphed_losses) == len(eager_losses)
     assert all(torch.equal(a, b) for a, b in zip(graphed_losses, eager_losses))
     assert any(not torch.equal(a, b) for a, b in zip(graphed, initial["model"].values()))  # it did train
-    micro_batches = trainer.rt.grad_accum_steps * len(tg.stages(trainer.args))
-    # one key per stage: its first micro-batch eager, its second captured, the rest replayed
+    # one key per stage, captured at its first micro-batch; every later one replays
+    micro_batches = trainer.runtime.grad_accum_steps * len(tg.stages(trainer.args))
     assert graphs.captures == len(tg.stages(trainer.args)) == len(graphs.graphs)
-    assert graphs.replays == micro_batches - 2 * graphs.captures
+    assert graphs.replays == micro_batches - (graphs.captures if graph is RerunGraph else 0)
 
 
-def test_with_one_micro_batch_a_step_the_graphs_write_the_gradients_they_start_and_match_eager_bit_for_bit(trainer):
-    initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
-                                 opts=[o.state_dict() for o in (trainer.adam, trainer.muon)]))
-    eager, eager_losses, _ = train_steps(trainer, None, steps_per_stage=6, one_micro_batch=True)
+@pytest.mark.parametrize("graph", [RerunGraph, DeferredGraph], ids=["capture-runs", "capture-records"])
+def test_with_one_micro_batch_a_step_the_graphs_write_the_gradients_they_start_and_match_eager_bit_for_bit(
+        trainer, initial, eager_steps, graph, monkeypatch):
+    eager, eager_losses, _ = eager_steps(3, True)
     from_the_start(trainer, initial)
-    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers, writes_first=True,
-                                 new_graph=RerunGraph)
-    graphed, graphed_losses, starts = train_steps(trainer, graphs, steps_per_stage=6, one_micro_batch=True)
-    from_the_start(trainer, initial)
+    monkeypatch.setattr(tg.MicroBatchGraphs, "Graph", graph)
+    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers, writes_first=True)
+    try:
+        graphed, graphed_losses, starts = train_steps(trainer, graphs, steps_per_stage=3, one_micro_batch=True)
+    finally:
+        from_the_start(trainer, initial)
     assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
+    assert len(graphed_losses) == len(eager_losses)
     assert all(torch.equal(a, b) for a, b in zip(graphed_losses, eager_losses))
     assert any(not torch.equal(a, b) for a, b in zip(graphed, initial["model"].values()))  # it did train
     # NorMuon sums one step's gradients, Adam two: an even step starts every gradient, an odd one NorMuon's only
     everything = {id(p) for p in trainer.model.parameters()}
     normuon = {id(p) for p in trainer.muon.grad_buffers}
     assert starts == [everything if k % 2 == 0 else normuon for k in range(len(starts))]
-    # two keys a stage, each first run eagerly, then captured, then replayed
+    # two keys a stage (steps go on counting across stages, so each stage has both parities), each captured at its
+    # first micro-batch, then replayed
     stages = len(tg.stages(trainer.args))
-    assert (graphs.captures, graphs.replays) == (2 * stages, 2 * stages)
+    assert graphs.captures == 2 * stages == len(graphs.graphs)
+    assert graphs.replays == 3 * stages - (graphs.captures if graph is RerunGraph else 0)
+
+
+def test_the_graph_type_is_a_class_attribute_and_the_buffers_every_graph_shares_are_made_up_front(trainer):
+    assert tg.MicroBatchGraphs.Graph is tg.CudaGraph  # what trains on a GPU
+    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers)
+    graphs.Graph = RerunGraph  # one instance's own
+    assert tg.MicroBatchGraphs.Graph is tg.CudaGraph and graphs.graphs == {} and graphs.captures == 0
+    # outside any graph's memory pool: the gradients every graph adds into (NorMuon's rows of its gradient stacks,
+    # zeros for the rest), the loss's divisor and the loss
+    assert len(graphs.grads) == len(graphs.params) == len(list(trainer.model.parameters()))
+    for p, g in zip(graphs.params, graphs.grads):
+        if p in trainer.muon.grad_buffers:
+            assert g is trainer.muon.grad_buffers[p]
+        else:
+            assert g.shape == p.shape and g.dtype == p.dtype and torch.count_nonzero(g) == 0
+    assert graphs.divisor.shape == graphs.loss.shape == ()
 
 
 def test_a_stage_gets_a_new_graph_when_its_windows_or_softmax_scale_change(trainer):
-    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam)
     batch = (torch.zeros(128, dtype=torch.int32), torch.zeros(128, dtype=torch.int64),
              torch.zeros(4, dtype=torch.int32))
     base = graphs.key(batch, 1, 3)
@@ -119,7 +214,7 @@ def test_a_stage_gets_a_new_graph_when_its_windows_or_softmax_scale_change(train
 
 def test_gradients_set_to_none_come_back_zeroed_and_eager_ones_are_copied_into_the_buffers(trainer):
     model = trainer.model
-    graphs = tg.MicroBatchGraphs(model, trainer.adam, trainer.muon.grad_buffers, new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(model, trainer.adam, trainer.muon.grad_buffers)
     try:
         for p in model.parameters():
             p.grad = torch.full_like(p, 2.0)
@@ -141,15 +236,137 @@ def test_gradients_set_to_none_come_back_zeroed_and_eager_ones_are_copied_into_t
         model.zero_grad(set_to_none=True)
 
 
-def test_cuda_graphs_resolve_on_with_cuda_and_compile_at_every_world_size_and_refuse_the_cpu():
+def test_cuda_graphs_resolve_on_with_cuda_and_compile_at_every_world_size_and_refuse_the_cpu(monkeypatch):
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off"])
     assert tg.resolve_runtime(args, env={}).cuda_graphs is False  # auto on the CPU
     assert tg.resolve_runtime(args, env={"WORLD_SIZE": "2", "RANK": "0"}).cuda_graphs is False  # gloo: eager
-    assert tg.resolve_cuda_graphs(tg.parse_args([]), "cuda", True) is True
-    assert tg.resolve_cuda_graphs(tg.parse_args([]), "cuda", False) is False  # graphs of eager kernels: no
-    assert tg.resolve_cuda_graphs(tg.parse_args(["--cuda-graphs", "off"]), "cuda", True) is False
     with pytest.raises(tg.ConfigError, match="needs a CUDA GPU"):
         tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--cuda-graphs", "on"]), env={})
+    # where CUDA is visible (faked: resolve_runtime only asks whether it is; plain kernels need no GPU check)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_cuda = lambda *flags, world="1": tg.resolve_runtime(tg.parse_args(["--kernels", "plain", *flags]),
+                                                          env={"WORLD_SIZE": world, "RANK": "0"})
+    assert all(on_cuda(world=w).cuda_graphs is True for w in ("1", "2", "4", "8"))
+    assert on_cuda("--compile", "off").cuda_graphs is False  # graphs of eager kernels: no
+    assert on_cuda("--cuda-graphs", "off").cuda_graphs is False
+    assert on_cuda("--compile", "off", "--cuda-graphs", "on").cuda_graphs is True  # asked for: granted
+
+
+# ----------------------------------------------------------------------------------------------------
+# The rule GPT.forward states, shown with a graph that really freezes host values (TracedGraph)
+# ----------------------------------------------------------------------------------------------------
+
+class GainModel(nn.Module):
+    """loss = sum((gain · x Wᵀ - y)²), where `gain` is a Python number the forward reads (as GPT.forward reads
+    yarn.attn_scale and its windows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+        self.gain = 1.0
+        self.yarn = types.SimpleNamespace(attn_scale=0.1)  # MicroBatchGraphs.key() reads the softmax scale here
+
+    def forward(self, x, y):
+        return (self.gain * torch.nn.functional.linear(x, self.w) - y).square().sum()
+
+
+class GainKeyedGraphs(tg.MicroBatchGraphs):
+    """What a speedrunner adds with such a number: it joins the key, so each value gets a graph of its own."""
+
+    def key(self, batch, ws_short, ws_long):
+        return (self.model.gain, *super().key(batch, ws_short, ws_long))
+
+
+def micro_batches_of(model, plan, graphs=None):
+    """Run plan = [(gain, micro-batches per step, batches)] step by step, eagerly or through graphs: every
+    micro-batch's loss and each step's gradient."""
+    def forward_backward(x, y, ws_short, ws_long, divisor):
+        loss = model(x, y)
+        (loss / divisor).backward()
+        return loss.detach()
+
+    losses, grads = [], []
+    for gain, micro_batches, batches in plan:
+        model.gain = gain
+        for batch in batches:
+            if graphs is None:
+                losses.append(forward_backward(*batch, 1, 3, micro_batches))
+            else:
+                graphs.run(batch, 1, 3, micro_batches, forward_backward)
+                losses.append(graphs.loss.clone())
+        grads.append(model.w.grad.clone())
+        model.zero_grad(set_to_none=True)  # as optimizer_step leaves them
+    return losses, grads
+
+
+def batches(n: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("graph", [RerunGraph, DeferredGraph], ids=["capture-runs", "capture-records"])
+def test_each_keys_first_micro_batch_is_captured_the_later_ones_replay_and_each_runs_once(graph):
+    model, events = GainModel(), []
+
+    class Watched(graph):
+        def capture(self, fn):
+            events.append("capture")
+            return super().capture(lambda: (events.append("run"), fn()))
+
+        def replay(self):
+            events.append("replay")
+            super().replay()
+
+    graphs = GainKeyedGraphs(model, tg.DistAdam(list(model.parameters())))
+    graphs.Graph = Watched
+    micro_batches_of(model, [(1.0, 2, batches(2, 6)), (0.5, 2, batches(2, 7)), (1.0, 1, batches(1, 8))], graphs)
+    if graph is RerunGraph:  # the capture did the micro-batch's work: no replay of it
+        assert events == ["capture", "run", "replay", "run", "capture", "run", "replay", "run", "replay", "run"]
+    else:  # the capture only recorded: replayed at once
+        assert events == ["capture", "replay", "run", "replay", "run", "capture", "replay", "run", "replay", "run",
+                          "replay", "run"]
+    assert graphs.captures == 2 and len(graphs.graphs) == 2
+
+
+def test_a_python_number_the_forward_reads_is_frozen_at_capture_unless_the_graph_key_holds_it():
+    model = GainModel()
+    adam = tg.DistAdam(list(model.parameters()))
+    plan = [(1.0, 2, batches(2, 1)), (0.5, 2, batches(2, 2))]  # the gain changes between steps
+    eager_losses, eager_grads = micro_batches_of(model, plan)
+    at_capture = micro_batches_of(model, [(1.0, m, b) for _, m, b in plan])  # eagerly, the gain never changed
+
+    frozen = tg.MicroBatchGraphs(model, adam)
+    frozen.Graph = TracedGraph
+    losses, grads = micro_batches_of(model, plan, frozen)
+    assert frozen.captures == 1 and frozen.replays == 3
+    # the first step matches eager (new batches reach the replays through the graph's copies) ...
+    assert all(torch.equal(a, b) for a, b in zip(losses[:2], eager_losses[:2]))
+    assert torch.equal(grads[0], eager_grads[0])
+    # ... the second computed with the gain of the capture, not the one the model now holds
+    assert not any(torch.equal(a, b) for a, b in zip(losses[2:], eager_losses[2:]))
+    assert not torch.equal(grads[1], eager_grads[1])
+    assert all(torch.equal(a, b) for a, b in zip(losses, at_capture[0])) and torch.equal(grads[1], at_capture[1][1])
+
+    keyed = GainKeyedGraphs(model, adam)
+    keyed.Graph = TracedGraph
+    losses, grads = micro_batches_of(model, plan, keyed)
+    assert keyed.captures == 2 and keyed.replays == 2  # one graph per gain
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses))
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+
+
+def test_a_value_the_graphs_read_from_a_tensor_reaches_every_replay():
+    """The loss's divisor (micro-batches per step) changes without a new key: the graphs read it from a tensor."""
+    model = GainModel()
+    plan = [(1.0, 2, batches(2, 3)), (1.0, 4, batches(4, 4)), (1.0, 1, batches(1, 5))]
+    eager_losses, eager_grads = micro_batches_of(model, plan)
+    graphs = tg.MicroBatchGraphs(model, tg.DistAdam(list(model.parameters())))
+    graphs.Graph = TracedGraph
+    losses, grads = micro_batches_of(model, plan, graphs)
+    assert graphs.captures == 1 and graphs.replays == 6
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses))
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+    assert not torch.equal(grads[1], 2 * grads[1])  # not all zero: the divisors differ in what they give
 
 
 # Two processes (gloo): the micro-batch that ends an Adam step launches DistAdam's reduce-scatters from its gradient
@@ -157,19 +374,20 @@ def test_cuda_graphs_resolve_on_with_cuda_and_compile_at_every_world_size_and_re
 
 def _graphs_against_eager_on_two_ranks(rank, world_size, data, one_micro_batch=False):
     """Six steps of stage 1 with two ranks (four micro-batches each per step), eagerly and through stand-in graphs:
-    the plain micro-batch's key is captured in step 0, the reduce-scattering one (the last of each odd step) runs
-    eagerly in step 1, is captured in step 3 and replayed in step 5. one_micro_batch: each rank runs one micro-batch
-    a step, as on 8 GPUs (the graphs write the gradients they start): each key first runs in step 0 or 1."""
+    the plain micro-batch's key is captured in step 0, the reduce-scattering one (the last of each odd step) is
+    captured in step 1 and replayed in steps 3 and 5. one_micro_batch: each rank runs one micro-batch a step, as on
+    8 GPUs (the graphs write the gradients they start): each key is captured in step 0 or 1."""
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0",
+                          "--train-bs-schedule", "128,256,384", "--train-bs-extension", "384",
                           "--train-max-seq-len", "128", "--data-path", str(data)])
-    rt = tg.resolve_runtime(args, env={"WORLD_SIZE": str(world_size), "RANK": str(rank)})
+    runtime = tg.resolve_runtime(args, env={"WORLD_SIZE": str(world_size), "RANK": str(rank)})
     batch_size = tg.stages(args)[0].batch_size
     if one_micro_batch:
-        batch_size //= rt.grad_accum_steps
-        rt = dataclasses.replace(rt, grad_accum_steps=1)
-    model, adam, muon = tg.build_model_and_optimizers(args, rt)
-    train_files, val_file = tg.find_data(args, rt)
-    trainer = tg.Trainer(args, rt, model, adam, muon, train_files, val_file, tg.Logger("/dev/null", False))
+        batch_size //= runtime.grad_accum_steps
+        runtime = dataclasses.replace(runtime, grad_accum_steps=1)
+    model, adam, muon = tg.build_model_and_optimizers(args, runtime)
+    train_files, val_file = tg.find_data(args, runtime)
+    trainer = tg.Trainer(args, runtime, model, adam, muon, train_files, val_file, tg.Logger("/dev/null", False))
     stage = tg.stages(args)[0]
     initial = copy.deepcopy(dict(model=model.state_dict(), opts=[o.state_dict() for o in (adam, muon)]))
 
@@ -177,12 +395,14 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data, one_micro_batch=F
         trainer.graphs, losses = graphs, []
         batches = trainer.new_batches(batch_size)
         for step in range(6):
-            trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, rt.grad_accum_steps, losses)
+            losses.append(trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long,
+                                             runtime.grad_accum_steps).clone())
         return [p.detach().clone() for p in model.parameters()], losses
 
     eager, eager_losses = six_steps(None)
     from_the_start(trainer, initial)
-    graphs = tg.MicroBatchGraphs(model, adam, muon.grad_buffers, writes_first=one_micro_batch, new_graph=RerunGraph)
+    graphs = tg.MicroBatchGraphs(model, adam, muon.grad_buffers, writes_first=one_micro_batch)
+    graphs.Graph = RerunGraph
     replayed = []
     real_replayed = adam.reduce_scatters_replayed
     adam.reduce_scatters_replayed = lambda params: (replayed.append(len(params)), real_replayed(params))
@@ -202,10 +422,10 @@ def test_two_ranks_replay_the_reduce_scattering_micro_batch_as_its_own_graph_and
     for r in ranks:
         assert r["same_weights"] and r["same_losses"]
         # two keys: the plain micro-batch's graph and the one ending an Adam step, which reduce-scatters all six of
-        # DistAdam's params; 24 micro-batches, two run eagerly and two captured, the rest replayed, step 5's last
-        # the reduce-scattering graph
+        # DistAdam's params; of 24 micro-batches two are captured (their capture runs them), the rest replayed,
+        # the reduce-scattering graph in steps 3 and 5
         assert r["reduce_scattering"] == [0, 6]
-        assert (r["captures"], r["replays"], r["reduce_scatters_replayed"]) == (2, 20, [6])
+        assert (r["captures"], r["replays"], r["reduce_scatters_replayed"]) == (2, 22, [6, 6])
     assert ranks[0]["weights"] == ranks[1]["weights"]  # the replicas stay identical
 
 
@@ -217,7 +437,7 @@ def test_two_ranks_with_one_micro_batch_a_step_write_the_gradients_they_start_an
     for r in ranks:
         assert r["same_weights"] and r["same_losses"]
         # two keys: the even step's, which starts every gradient, and the odd step's, which starts NorMuon's and
-        # reduce-scatters DistAdam's six; each runs eagerly, is captured, then replayed (steps 4 and 5)
+        # reduce-scatters DistAdam's six; each captured in step 0 or 1, then replayed (steps 2-5)
         assert r["reduce_scattering"] == [0, 6]
-        assert (r["captures"], r["replays"], r["reduce_scatters_replayed"]) == (2, 2, [6])
+        assert (r["captures"], r["replays"], r["reduce_scatters_replayed"]) == (2, 4, [6, 6])
     assert ranks[0]["weights"] == ranks[1]["weights"]

@@ -496,3 +496,68 @@ def test_adam_update_compiled_matches_eager_and_the_textbook_formula(dtype):
     for state in (eager, compiled):
         assert ((state[0].double() - ref_p).norm() / ref_p.norm()).item() < tol
     assert ((eager[0].double() - compiled[0].double()).norm() / ref_p.norm()).item() < tol
+
+
+# ------------------------------------------------------------------ grouping and labels (what the log says)
+
+def test_normuon_groups_use_the_records_sizing_on_8_ranks_and_say_nothing_for_the_records_matrices():
+    params = muon_params_record()
+    groups, note = tg.normuon_groups(params, 8)
+    assert [(name, len(ps)) for name, ps in groups] == [("smear_gate", 1), ("attn_gate", 10), ("attn+mlp", 16),
+                                                        ("mlp", 16)]
+    assert note == ""
+    groups, note = tg.normuon_groups(params, 2)  # fewer ranks: by label and shape, still the record's matrices
+    assert [(name, len(ps)) for name, ps in groups] == [("attn", 10), ("mlp", 22), ("smear_gate", 1),
+                                                        ("attn_gate", 10)]
+    assert note == "" and tg.NorMuon(muon_params_record()).grouping_note == ""
+
+
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_normuon_groups_of_other_matrices_are_named_in_a_note_for_the_log(world_size):
+    params = muon_params_generic()
+    params.append(_param((16, 16), "mlp", "square_mlp", torch.Generator().manual_seed(1)))  # a second mlp shape
+    groups, note = tg.normuon_groups(params, world_size)
+    names = [name for name, _ in groups]
+    assert names == ["smear_gate", "attn", "attn_gate", "mlp:64x16:float32", "mlp:16x16:float32"]
+    assert all(len({(p.label, p.shape) for p in ps}) == 1 for _, ps in groups)
+    assert note.startswith("NorMuon: the matrices differ from the record's (attn 3, attn_gate 3, mlp 6, smear_gate 1 "
+                           "here, attn 10, attn_gate 10, mlp 22, smear_gate 1 there), so they are grouped by label "
+                           "and shape")
+    assert ("instead of the record sizing (1, 10, 16, 16)" in note) == (world_size == 8)
+    assert note.endswith(": smear_gate (1), attn (3), attn_gate (3), mlp:64x16:float32 (5), mlp:16x16:float32 (1)")
+
+
+@pytest.fixture(scope="module")
+def small_gpt_args():
+    return tg.parse_args(["--smoke", "--model-dim", "64", "--num-heads", "1"])
+
+
+def test_build_optimizers_gives_every_parameter_of_the_model_to_one_optimizer(small_gpt_args):
+    model = tg.GPT(small_gpt_args, max_seq_len=64)
+    adam, muon = tg.build_optimizers(model, small_gpt_args)
+    in_adam = {id(p) for g in adam.param_groups for p in g["params"]}
+    in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    assert not in_adam & in_muon and in_adam | in_muon == {id(p) for p in model.parameters()}
+    assert muon.grouping_note == ""  # the record's layer map: the record's matrices
+
+
+@pytest.mark.parametrize("label,words", [(None, ["parameter stray has no optimizer label"]),
+                                         ("bias", ["parameter stray has label 'bias'"])])
+def test_a_parameter_no_optimizer_takes_is_a_config_error_naming_it_and_the_label_tables(small_gpt_args, label,
+                                                                                         words):
+    model = tg.GPT(small_gpt_args, max_seq_len=64)
+    model.stray = nn.Parameter(torch.zeros(4, 4))
+    if label is not None:
+        model.stray.label = label
+    with pytest.raises(tg.ConfigError) as e:
+        tg.build_optimizers(model, small_gpt_args)
+    for w in [*words, "set_optimizer_label()", "NORMUON_LABEL_ORDER", "DISTADAM_LABEL_ORDER"]:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_a_gate_labelled_as_a_matrix_is_a_config_error_naming_the_gate_labels(small_gpt_args):
+    model = tg.GPT(small_gpt_args, max_seq_len=64)
+    model.value_gate = tg.set_optimizer_label(nn.Parameter(torch.zeros(2, 12)), "attn")
+    with pytest.raises(tg.ConfigError, match=r"parameter value_gate looks like a gate but its label 'attn' is not in "
+                                             r"NORMUON_GATE_LABELS \('smear_gate', 'attn_gate'\)"):
+        tg.build_optimizers(model, small_gpt_args)

@@ -248,7 +248,7 @@ def test_torch_fallback_wrappers():
     assert torch.allclose(tg.xxt(X[0]), X[0] @ X[0].T)
 
 
-def test_kernel_configs_are_deterministic_and_overridable():
+def test_kernel_configs_are_deterministic_and_overridable(monkeypatch):
     cfg = tg.kernel_config("xxt", 8, 768, 768, torch.bfloat16)
     assert cfg == dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
     assert tg.kernel_config("ax_plus_bx", 2, 768, 3072, torch.bfloat16)["num_stages"] == 3
@@ -261,9 +261,14 @@ def test_kernel_configs_are_deterministic_and_overridable():
                 assert min(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) >= 16
                 if kind != "ax_plus_bx":
                     assert c["BLOCK_M"] == c["BLOCK_N"]
-    tiles = {"xxt": dict(BLOCK_M=64, num_stages=3), ("xxt", 768, 3072): dict(BLOCK_K=128)}
-    c = tg.kernel_config("xxt", 2, 768, 3072, torch.bfloat16, tiles)
+    # ORTHOGONALIZER_TILES overrides per kind and per (kind, m, k); a symmetric kernel keeps BLOCK_N = BLOCK_M
+    monkeypatch.setattr(tg, "ORTHOGONALIZER_TILES",
+                        {"xxt": dict(BLOCK_M=64, num_stages=3), ("xxt", 768, 3072): dict(BLOCK_K=128)})
+    c = tg.kernel_config("xxt", 2, 768, 3072, torch.bfloat16)
     assert (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_stages"]) == (64, 64, 128, 3)
+    assert tg.kernel_config("xxt", 2, 768, 768, torch.bfloat16)["BLOCK_K"] == 64  # the (kind, m, k) entry only
+    assert tg.kernel_config("ax_plus_bx", 2, 768, 3072, torch.bfloat16) == dict(
+        BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)  # other kinds untouched
 
 
 def test_compiles_fullgraph():

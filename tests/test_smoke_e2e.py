@@ -78,8 +78,8 @@ def test_log_header(smoke_run):
     assert lines[2] == f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}"
     assert lines[3].startswith("Running Triton version ")
     assert lines[4].startswith("Run config: ")
-    for item in ("world_size=2", "grad_accum_steps=4", "device=cpu", "attn_backend=reference",
-                 "orthogonalizer=polar", "fp8=0", "fused_fp8_head=0", "smoke=1", "num_iterations=33"):
+    for item in ("world_size=2", "grad_accum_steps=4", "device=cpu", "kernels=fused", "fused=none",
+                 "orthogonalizer=polar", "fp8=0", "cuda_graphs=0", "smoke=1", "num_iterations=33"):
         assert item in lines[4].split(), item
     if shutil.which("nvidia-smi") is None:
         assert lines[5] == "nvidia-smi: not available"

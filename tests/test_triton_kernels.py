@@ -53,19 +53,20 @@ SCRIPT = textwrap.dedent(r"""
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
 
     for dtype in (torch.float32, torch.float16):
-        for cfg_name, cfg in (("small", SMALL), ("rule", {})):
-            tiles = cfg
+        for cfg_name, tiles in (("small", SMALL), ("rule", {})):
+            tg.ORTHOGONALIZER_TILES = tiles  # kernel_config() reads its overrides from here
+            assert tg.kernel_config("ax_plus_bx", 2, 37, 70, dtype)["BLOCK_N"] == (32 if tiles else 64)
             # ---- xxt: batched, transposed view, 2-D, block-aligned (EVEN path) ----
             cases = {"b2_37x70": rnd(2, 37, 70, dtype=dtype), "mT_37x70": rnd(2, 70, 37, dtype=dtype).mT,
                      "2d_37x70": rnd(37, 70, dtype=dtype), "even_32x64": rnd(2, 32, 64, dtype=dtype)}
             for cname, X in cases.items():
                 big, out = poisoned((*X.shape[:-1], X.shape[-2]), dtype)
-                r = tg.xxt(X, out=out, tiles=tiles)
+                r = tg.xxt(X, out=out)
                 assert r.data_ptr() == out.data_ptr()
                 X64 = X.double()
                 record(f"xxt/{cfg_name}/{cname}", dtype, out, X64 @ X64.mT, big)
             X = cases["b2_37x70"]
-            record(f"xxt/{cfg_name}/alloc", dtype, tg.xxt(X, tiles=tiles), X.double() @ X.double().mT)
+            record(f"xxt/{cfg_name}/alloc", dtype, tg.xxt(X), X.double() @ X.double().mT)
 
             # ---- ba_plus_cAA on symmetric A (Gram / k, like the iteration's A) ----
             for cname, X in cases.items():
@@ -73,10 +74,10 @@ SCRIPT = textwrap.dedent(r"""
                 A64 = A.double()
                 for b, c in ((-2.808917465908714, 0.5000178451051316), (1.5, -0.25)):
                     big, out = poisoned(A.shape, dtype)
-                    tg.ba_plus_cAA(A, b, c, out=out, tiles=tiles)
+                    tg.ba_plus_cAA(A, b, c, out=out)
                     record(f"ba_plus_cAA/{cfg_name}/{cname}/b={b:.2f}", dtype, out, b * A64 + c * A64 @ A64, big)
             A = (X.double() @ X.double().mT / 70).to(dtype)
-            record(f"ba_plus_cAA/{cfg_name}/alloc", dtype, tg.ba_plus_cAA(A, 2.0, -1.0, tiles=tiles),
+            record(f"ba_plus_cAA/{cfg_name}/alloc", dtype, tg.ba_plus_cAA(A, 2.0, -1.0),
                    2.0 * A.double() - A.double() @ A.double())
 
             # ---- ax_plus_bx: per-matrix B, broadcast B (stride 0), 2-D B with 3-D X, transposed X, 2-D ----
@@ -90,22 +91,21 @@ SCRIPT = textwrap.dedent(r"""
                     Bs["B2d"] = Bfull[0]
                 for bname, B in Bs.items():
                     big, out = poisoned(X.shape, dtype)
-                    tg.ax_plus_bx(X, B, 4.042929935166739, out=out, tiles=tiles)
+                    tg.ax_plus_bx(X, B, 4.042929935166739, out=out)
                     ref = 4.042929935166739 * X.double() + B.double() @ X.double()
                     record(f"ax_plus_bx/{cfg_name}/{cname}/{bname}", dtype, out, ref, big)
             X = cases["b2_37x70"]
             B = (X.double() @ X.double().mT / 70).to(dtype)
-            record(f"ax_plus_bx/{cfg_name}/alloc", dtype, tg.ax_plus_bx(X, B, -0.5, tiles=tiles),
+            record(f"ax_plus_bx/{cfg_name}/alloc", dtype, tg.ax_plus_bx(X, B, -0.5),
                    -0.5 * X.double() + B.double() @ X.double())
 
     # ---- the full iteration through the kernels (buffers, X/C swapping, turbo's fused first step) ----
-    from functools import partial
-    small_ops = tuple(partial(op, tiles=SMALL) for op in tg._TRITON_OPS)
+    tg.ORTHOGONALIZER_TILES = SMALL
     for turbo in (False, True):
         for cname, G in (("wide_b2_40x72", rnd(2, 40, 72, dtype=torch.float32)),
                          ("tall_b2_72x40", rnd(2, 72, 40, dtype=torch.float32)),
                          ("2d_33x50", rnd(33, 50, dtype=torch.float32))):
-            out = tg._polar_loop(G, turbo, torch.float32, small_ops, buffers=True)
+            out = tg._polar_loop(G, turbo, torch.float32, tg._TRITON_OPS, buffers=True)
             ref = tg._polar_loop(G.double(), turbo, torch.float64, tg._TORCH_OPS, buffers=False)
             record(f"polar_loop/turbo={int(turbo)}/{cname}", torch.float32, out, ref)
             assert list(out.shape) == list(G.shape)
