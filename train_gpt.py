@@ -238,9 +238,9 @@ def parse_args(argv=None) -> Hyperparameters:
                                 metavar=metavar, help=help)
     argv = list(sys.argv[1:] if argv is None else argv)
     for i, token in enumerate(argv[:-1]):  # argparse takes "-3,0,2" for a flag: glue a negative value to its flag
-        if token in takes_value and re.match(r"-[\d.]", argv[i + 1]):
-            argv[i:i + 2] = [f"{token}={argv[i + 1]}", ""]
-    given = {k: v for k, v in vars(parser.parse_args([a for a in argv if a != ""])).items() if v is not None}
+        if token in takes_value and argv[i + 1] is not None and re.match(r"-(\d|\.|inf|nan)", argv[i + 1], re.I):
+            argv[i:i + 2] = [f"{token}={argv[i + 1]}", None]
+    given = {k: v for k, v in vars(parser.parse_args([a for a in argv if a is not None])).items() if v is not None}
     args = Hyperparameters(**(SMOKE_PRESET if given.get("smoke") else {}))
     args = dataclasses.replace(args, **given)  # explicit flags win over the smoke preset
     validate_args(args)
@@ -3038,19 +3038,23 @@ def build_trainer(args: Hyperparameters, runtime: Runtime, log_file: Path, repla
     log = Logger(log_file, runtime.master, replace=replace_log)
     if runtime.master:
         print(log.path, flush=True)
-    log(Path(__file__).read_text(), console=False)
-    log(SEPARATOR, console=False)
-    log(f"Running Python {sys.version}", console=False)
-    log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}", console=False)
-    log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
-    log(runtime.config_line(args), console=False)
-    for note in (*runtime.kernel_notes, muon.grouping_note):
-        if note:
-            log(note)
-    if args.train_epochs > 1:
-        log(f"note: the loader cycles over the training shards {args.train_epochs} times (--train-epochs)")
-    log(nvidia_smi(), console=False)
-    log(SEPARATOR, console=False)
+    try:
+        log(Path(__file__).read_text(), console=False)
+        log(SEPARATOR, console=False)
+        log(f"Running Python {sys.version}", console=False)
+        log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}", console=False)
+        log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
+        log(runtime.config_line(args), console=False)
+        for note in (*runtime.kernel_notes, muon.grouping_note):
+            if note:
+                log(note)
+        if args.train_epochs > 1:
+            log(f"note: the loader cycles over the training shards {args.train_epochs} times (--train-epochs)")
+        log(nvidia_smi(), console=False)
+        log(SEPARATOR, console=False)
+    except RunStopped as e:
+        close_log(log, e, "while starting")
+        raise
     graphs = MicroBatchGraphs(model, adam, muon.grad_buffers, writes_first=runtime.grad_accum_steps == 1) \
         if runtime.cuda_graphs else None
     return Trainer(args, runtime, model, adam, muon, train_files, val_file, log, graphs)
@@ -3250,22 +3254,37 @@ def run(args: Hyperparameters) -> None:
             f"{caches['inductor']['hits']} hits and {caches['inductor']['misses']} misses, AOTAutograd's "
             f"{caches['aot_autograd']['hits']} and {caches['aot_autograd']['misses']})")
         result = trainer.train()
+        if dist.is_initialized() and runtime.world_size > 1:
+            same = replicas_identical(trainer.model)
+            log(f"replica check: parameters {'bit-identical' if same else 'DIFFER'} across {runtime.world_size} ranks")
+        log(peak_memory_line(runtime.device))
+        log(summary_line(args, runtime, result))
+        if args.save_checkpoint and runtime.master:
+            save_checkpoint(Path(args.log_dir) / run_id / f"state_step{result.steps:06d}.pt", trainer, result.steps)
     except (RunStopped, ShardError, DataExhausted) as e:
-        if isinstance(e, Interrupted):
-            e.args = (f"{e} {trainer.where}",)
-        log(f"stopped: {e}" if not isinstance(e, RunStopped) else str(e))
-        e.logged = True
+        close_log(log, e, trainer.where)
         raise
-    if dist.is_initialized() and runtime.world_size > 1:
-        same = replicas_identical(trainer.model)
-        log(f"replica check: parameters {'bit-identical' if same else 'DIFFER'} across {runtime.world_size} ranks")
-    log(peak_memory_line(runtime.device))
-    log(summary_line(args, runtime, result))
-    if args.save_checkpoint and runtime.master:
-        path = Path(args.log_dir) / run_id / f"state_step{result.steps:06d}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(dict(step=result.steps, code=Path(__file__).read_text(), model=trainer.model.state_dict(),
-                        optimizers=[trainer.adam.state_dict(), trainer.muon.state_dict()]), path)
+
+
+def close_log(log: Logger, e: Exception, where: str) -> None:
+    """The log's last line for a run that stops early: the stop's message (an interrupt's with where it was)."""
+    if isinstance(e, Interrupted):
+        e.args = (f"{e} {where}",)
+    log(str(e) if isinstance(e, RunStopped) else f"stopped: {e}")
+    e.logged = True
+
+
+def save_checkpoint(path: Path, trainer: "Trainer", steps: int) -> None:
+    """Model and optimizer states, written to a new file beside `path` and renamed: never half a checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(dict(step=steps, code=Path(__file__).read_text(), model=trainer.model.state_dict(),
+                        optimizers=[trainer.adam.state_dict(), trainer.muon.state_dict()]), tmp)
+        Path(tmp).replace(path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 RANK0_REPORT_GRACE_S = 3.0  # how long the other ranks wait for rank 0 to report a config error
 

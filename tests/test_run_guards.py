@@ -133,8 +133,6 @@ def test_a_negative_value_after_its_flag_is_refused_by_the_script_in_one_line(tm
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="train_gpt.parse_args glues a value to its flag only where it matches "
-                   "-[digit or .]: `--muon-lr -inf` reaches argparse, which says 'expected one argument'")
 def test_minus_inf_after_its_flag_reaches_the_range_check(main, tmp_path):
     line = refused(main(["--muon-lr", "-inf", "--smoke", "--device", "cpu", "--check-flags",
                          "--log-dir", str(tmp_path / "logs")]), "--muon-lr")
@@ -212,9 +210,6 @@ def test_an_empty_run_id_is_taken_and_the_log_gets_a_uuid_name(main, data, tmp_p
     # a training run without a run id, named by a UUID4: test_a_non_finite_training_loss_stops_the_run_with_exit_3
 
 
-@pytest.mark.xfail(strict=True, reason="train_gpt.parse_args drops every empty argument (its placeholder for a "
-                                       "value glued to its flag), the user's own too: `--run-id \"\"` and "
-                                       "`--compile-cache \"\"` fail with 'expected one argument'")
 @pytest.mark.parametrize("flag", ["--run-id", "--compile-cache"])
 def test_an_empty_value_after_its_flag_is_taken(flag):
     assert getattr(tg.parse_args([flag, ""]), flag[2:].replace("-", "_")) == ""
@@ -313,9 +308,6 @@ def test_a_config_error_from_the_model_or_optimizer_build_leaves_no_log(main, da
     assert not (tmp_path / "logs").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="train_gpt.run() builds the trainer, which creates the log and writes its "
-                                       "header (nvidia-smi runs there, up to 30 s), before its try: a signal then "
-                                       "leaves the log without a closing line, and 'while starting' is never said")
 def test_a_signal_while_the_log_header_is_written_closes_the_log_while_starting(data, tmp_path, monkeypatch):
     def nvidia_smi():  # the signal arrives while nvidia-smi runs
         os.kill(os.getpid(), signal.SIGTERM)
