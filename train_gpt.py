@@ -80,9 +80,8 @@ def _kernels_usable(t: Tensor) -> bool:
 # =====================================================================================
 
 def setting(default, help, within: str = None, choices: tuple = None, length: int = None):
-    """A Hyperparameters field: its one-line --help (a function where it quotes tables defined further down), and
-    what a valid value is: numbers (each value of a tuple) in the interval `within`, one of `choices`, `length`
-    values."""
+    """A Hyperparameters field: its --help (a function where it quotes tables further down) and what is valid:
+    numbers (each value of a tuple) in the interval `within`, one of `choices`, `length` values."""
     return field(default=default, metadata=dict(help=help, choices=choices, within=within, length=length))
 
 COUNT, NONNEGATIVE, BELOW_ONE = "[1, inf)", "[0, inf)", "[0, 1)"   # the intervals most settings live in
@@ -336,9 +335,8 @@ def _(x, w, x_s, w_s, grad_s):
             w.new_empty((w.size(1), w.size(0)), dtype=torch.float8_e4m3fn))
 
 def quantize_e4m3(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """e4m3(x / scale) as the record's compiled quantiser rounds it (x in fp32 times the fp32 reciprocal, one rounding
-    to e4m3; eager PyTorch would round the quotient to x's dtype first), in both layouts: (M, N) and its contiguous
-    (N, M) transpose. One Triton pass reads x once; PyTorch needs a division, a cast and a strided copy."""
+    """e4m3(x / scale) rounded as the record's compiled quantiser does (fp32 product, one rounding), in the (M, N)
+    layout and its contiguous transpose, from one Triton pass over x (PyTorch: a division, a cast, a strided copy)."""
     assert x.dim() == 2
     if not _kernels_usable(x):
         return quantize_e4m3_reference(x, scale)
@@ -359,9 +357,8 @@ def quantize_e4m3_reference(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("speedrun::fp8_matmul_backward", mutates_args=())
 def fp8_matmul_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float, w_s: float, grad_s: float,
                         g_f8_t: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """dX and dW from operands already quantised (`*_t` are contiguous transposes). _scaled_mm wants a row-major
-    first operand and a column-major second one, so dW needs the (T, vocab) gradient transposed: g_f8_t where the
-    caller has it (the fused softcap/cross-entropy backward writes both layouts in one pass), else made here."""
+    """dX and dW from quantised operands (`*_t`: contiguous transposes). dW needs the (T, vocab) gradient transposed
+    (_scaled_mm's layouts): g_f8_t where the caller has it (the fused head writes both layouts), else made here."""
     g_f8_t = transpose_bytes(g_f8) if g_f8_t is None else g_f8_t
     grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16,
                               scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(w_s, g_f8),
@@ -475,9 +472,8 @@ def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: f
         num_warps=warps)
 
 class FusedLMHeadLoss(torch.autograd.Function):
-    """lm_head_loss with FP8 operands in fewer passes: the FP8 matmul, one Triton pass for the log-sum-exp, and in
-    the backward one Triton pass that writes the e5m2 gradient in both layouts the FP8 GEMMs read (no bf16 gradient
-    tensor, cast or transpose)."""
+    """lm_head_loss in fewer passes: the FP8 matmul, one Triton pass for the log-sum-exp, and in the backward one that
+    writes the e5m2 gradient in both layouts the FP8 GEMMs read (no bf16 gradient tensor, cast or transpose)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
@@ -889,9 +885,8 @@ def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, 
 @torch.library.custom_op("speedrun::fa4_qkv", mutates_args=())
 def fa4_qkv(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
             window_table: Tensor, window_row: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Attention from the raw projections qkv (T, 3H, D): q/k norm + rotary (one Triton pass), v (+ the value
-    embedding ve), FlashAttention-4. Returns (out, lse, and for the backward: the rotated q|k, the v that attention
-    read when ve is given (else an empty tensor: v is then a view of qkv), the norm's 1/rms)."""
+    """attention() with FlashAttention-4: (out, lse, and for the backward the rotated q|k, the v it read when ve is
+    given (else empty: v is a view of qkv), the norm's 1/rms)."""
     heads = qkv.size(1) // 3
     qk, rstd = qk_norm_rope(qkv, cos, sin)
     v = qkv[:, 2 * heads:] if ve is None else add_value_embedding(qkv, ve)
@@ -999,10 +994,8 @@ def _pow2_at_least(x: int) -> int:
 ORTHOGONALIZER_TILES = {}
 
 def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
-    """dict(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for kind xxt ((n, m, k) -> (n, m, m)), ba_plus_cAA
-    ((n, m, m) -> (n, m, m)) or ax_plus_bx ((n, m, m) x (n, m, k) -> (n, m, k)): 128x128 tiles, BLOCK_K 64, 8 warps
-    and 4 stages (3 for ax_plus_bx) for the trainer's matrices, the smallest tile that covers a smaller one, and
-    fewer stages where they would not fit _SMEM_BUDGET; ORTHOGONALIZER_TILES overrides."""
+    """Tiles and launch config of xxt ((n, m, k) -> (n, m, m)), ba_plus_cAA or ax_plus_bx ((n, m, m) x (n, m, k)):
+    128x128 tiles, BLOCK_K 64, 8 warps, 4 stages (3 for ax_plus_bx), smaller where a matrix or _SMEM_BUDGET is."""
     elsize = torch.empty((), dtype=dtype).element_size()
     sym = kind in ("xxt", "ba_plus_cAA")
     if kind == "ba_plus_cAA":
@@ -1192,9 +1185,8 @@ _TORCH_OPS = (_torch_gram, _torch_poly, _torch_update)
 _TRITON_OPS = (xxt, ba_plus_cAA, ax_plus_bx)
 
 def _polar_loop(G: Tensor, turbo: bool, dtype, ops, buffers: bool) -> Tensor:
-    """Shared body of polar_express / polar_express_reference.  G (..., rows, cols) -> same shape, dtype `dtype`.
-    ops = (gram(X, out), poly(A, b, c, out), update(X, B, a, out)); with buffers=True A, B and C are allocated
-    once and X/C swap roles between iterations (the Triton ops write into `out`; the torch ops ignore it)."""
+    """The body of polar_express and its reference: G (..., rows, cols) -> same shape in `dtype`. ops = (gram, poly,
+    update); buffers=True: A, B, C are allocated once and X/C swap roles (the Triton ops write into `out`)."""
     gram, poly, update = ops
     transposed = G.size(-2) > G.size(-1)
     X = G.mT if transposed else G                     # wide orientation: rows <= cols, A is the small Gram
@@ -1229,10 +1221,8 @@ def polar_express_reference(G: Tensor, turbo: bool = False, dtype=torch.float32)
     return _polar_loop(G, turbo, dtype, _TORCH_OPS, buffers=False)
 
 def polar_express(G: Tensor, turbo: bool = False) -> Tensor:
-    """Approximate polar factor of every matrix in G (..., rows, cols); same shape as G.
-    CUDA: bf16, Triton kernels when the matrices are large enough (else bf16 torch matmuls).  CPU: float32.
-    Turbo-Muon (turbo=True): AOL row scaling instead of Frobenius normalisation, 4 iterations instead of 5.
-    No data-dependent control flow: compiles with torch.compile(dynamic=False, fullgraph=True)."""
+    """Approximate polar factor of every matrix in G (..., rows, cols): bf16 on CUDA (Triton kernels where the
+    matrices are large enough), float32 on the CPU; turbo=True: Turbo-Muon (AOL row scaling, one iteration less)."""
     if not G.is_cuda:
         return polar_express_reference(G, turbo, torch.float32)
     if min(G.shape[-2:]) < KERNEL_MIN_DIM:
@@ -1278,9 +1268,8 @@ def _dist_world() -> tuple[int, int]:
 # ---- NorMuon per-shard math: small pure functions the trainer may torch.compile (dynamic=False) ----
 
 def normuon_second_moment(v: Tensor, second_moment: Tensor, beta2: float, dim: int) -> Tensor:
-    """Per-row (dim=-1) or per-column (dim=-2) RMS normalisation of the orthogonalized update v (..., rows, cols);
-    second_moment (v's shape with `dim` reduced to 1, the param's dtype): running mean of v², updated in place.
-    Each matrix keeps its Frobenius norm; returned in v's dtype."""
+    """Per-row (dim=-1) or per-column (dim=-2) RMS normalisation of v (..., rows, cols) by the running mean of v²
+    kept in second_moment (updated in place); each matrix keeps its Frobenius norm."""
     vf = v.float()
     # fp32 arithmetic, one rounding into the buffer's dtype. Eagerly the update then reads the stored (rounded)
     # value; compiled, Inductor may use the unrounded one, as it does with the record's compiled lines.
@@ -1477,9 +1466,8 @@ class NorMuon(torch.optim.Optimizer):
 
 def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor,
                 beta1: float, beta2: float, eps: float) -> None:
-    """One bias-corrected Adam step on a param slice, in place; step_size = lr*sqrt(1-b2^t)/(1-b1^t) arrives as a
-    0-D CPU tensor so a compiled version does not recompile as it changes. Compiled, it is one fused kernel per
-    param instead of seven passes over 38.6M-element tensors."""
+    """One bias-corrected Adam step on a param slice, in place (compiled: one kernel, not seven passes); step_size =
+    lr*sqrt(1-b2^t)/(1-b1^t) comes as a 0-D CPU tensor, so a new value does not recompile."""
     exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     # fp32 arithmetic and one rounding into p's dtype (what addcdiv_ does eagerly)
@@ -1753,10 +1741,8 @@ def code_fingerprint(*functions) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 def needs_cuda_triton(fp8: bool = True):
-    if triton is None or not torch.cuda.is_available():
-        raise RuntimeError("its Triton kernels need a CUDA GPU")
-    if not fp8:
-        raise RuntimeError("it is the FP8 head, and FP8 is off (--fp8)")
+    if triton is None or not torch.cuda.is_available() or not fp8:
+        raise RuntimeError("it is the FP8 head's Triton kernels: it needs a CUDA GPU and FP8 on (--fp8)")
 
 @dataclass(frozen=True)
 class FusedKernel:
@@ -1784,9 +1770,8 @@ def parse_kernels(text: str) -> set | None:
     return names if names and names <= set(FUSED_KERNELS) else None
 
 def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]:
-    """({name: function the model calls}, notes for the log). `--kernels fused` takes each fused kernel that runs
-    here and says which ones do not; a kernel named in a list must run. A fused kernel whose plain function was
-    edited is an error either way: it would silently compute the old function."""
+    """({name: function the model calls}, notes for the log): `fused` takes each fused kernel that runs here, a listed
+    one must run; a fused kernel whose plain functions were edited is an error (it would compute the old ones)."""
     explicit = requested != "fused"
     chosen, notes = {}, []
     for name, kernel in FUSED_KERNELS.items():
@@ -1901,9 +1886,8 @@ class GPT(nn.Module):
         self._trunk, self._head, self.is_compiled = self.trunk, self.head, False  # see compile_regions()
 
     def compile_regions(self, **options):
-        """torch.compile the trunk and the head as two regions (same options as one whole-model compile): the
-        head's backward graph finishes first, so lm_head's gradient hook (DistAdam's biggest reduce-scatter) fires
-        while the trunk's backward is still computing."""
+        """torch.compile the trunk and the head as two regions: the head's backward finishes first, so lm_head's
+        gradient hook (DistAdam's biggest reduce-scatter) fires while the trunk's backward still computes."""
         self._trunk = torch.compile(self.trunk, **options)
         self._head = torch.compile(self.head, **options)
         self.is_compiled = True
@@ -2035,9 +2019,8 @@ class DataExhausted(RuntimeError):
     """The training files ran out before the schedule ended."""
 
 class BOSFinder:
-    """Cuts BOS-aligned per-rank batches out of one shard: every sequence starts at a document's BOS, longer documents
-    are cut at max_seq_len, and a rank's last document where it has L+1 tokens. One call serves all ranks (rank 0
-    first) from a shared cursor, so every process sees the same cut."""
+    """BOS-aligned per-rank batches of one shard (documents cut at max_seq_len, a rank's last where it has L+1 tokens),
+    all ranks' from one shared cursor in rank order, so every process sees the same cut."""
     QUICK_SCAN_TOKENS = 4_000_000
     QUICK_SCAN_BATCHES = 5
 
@@ -2135,9 +2118,8 @@ class ShardLoader:
         return current
 
 def to_device(batch: tuple, device: str) -> tuple:
-    """Asynchronous copies of a micro-batch. From pageable memory a "non_blocking" copy is staged by the driver,
-    which may wait on the stream; from pinned memory it is a plain DMA queued behind the running kernels. PyTorch's
-    caching host allocator reuses a pinned block only after the copy that read it has completed."""
+    """Asynchronous copies of a micro-batch from pinned memory: a plain DMA queued behind the running kernels (from
+    pageable memory the driver stages the copy and may wait on the stream)."""
     if device != "cuda":
         return tuple(t.to(device) for t in batch)
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
@@ -2332,9 +2314,8 @@ def nvidia_smi() -> str:
 # stream, so a replay leaves the averaged gradients where DistAdam's step reads them.
 
 class CudaGraph:
-    """torch.cuda.CUDAGraph, captured on a side stream. The process's first capture runs the micro-batch once
-    eagerly on that stream first, so that state made lazily per stream (cuBLAS's workspace) is not made inside a
-    capture; the eager warm-up made everything else, so later captures only record, and a replay does the work."""
+    """torch.cuda.CUDAGraph captured on a side stream. The first capture runs the micro-batch there eagerly first (state
+    made lazily per stream, cuBLAS's workspace, must not be made in a capture); later ones only record."""
     stream = pool = None  # shared by every capture
 
     def capture(self, fn) -> bool:
@@ -2367,11 +2348,10 @@ class CudaGraph:
                    if tuple(seg.get("segment_pool_id", ())) == pool)
 
 class MicroBatchGraphs:
-    """Training micro-batches run as graphs, one per key (batch shapes, windows, softmax scale, whether it launches
-    DistAdam's reduce-scatters, and which gradients it starts): a key's first micro-batch is captured, later ones
-    replay. writes_first: every step is one micro-batch (8 GPUs), so a gradient set to None starts its sum in it: the
-    graph hands it over as the record's backward does (autograd's own tensor) and copies it into its buffer, instead
-    of zeroing the buffer and adding to it."""
+    """Training micro-batches as graphs, one per key (shapes, windows, softmax scale, whether it launches DistAdam's
+    reduce-scatters, which gradients it starts): a key's first micro-batch is captured, later ones replay.
+    writes_first (one micro-batch a step, 8 GPUs): a gradient set to None is handed over by autograd and copied into
+    its buffer, as the record's backward does, instead of added to a zeroed buffer."""
     Graph = CudaGraph  # what records a micro-batch (the CPU tests put a stand-in here)
 
     def __init__(self, model: nn.Module, adam: "DistAdam", grad_buffers: dict = None, writes_first: bool = False):
@@ -2395,9 +2375,8 @@ class MicroBatchGraphs:
                 grads_started)
 
     def attach_grads(self, grads_started: tuple = ()):
-        """Point every parameter's .grad at the graphs' buffers: a None gradient (zero_grad(set_to_none=True))
-        becomes the zeroed buffer, a gradient made elsewhere (an eager backward) is copied into it. grads_started:
-        indices of params left at None (the graph writes their buffers)."""
+        """Point every .grad at the graphs' buffers: None becomes the zeroed buffer, a gradient made elsewhere is copied
+        into it; the params in grads_started stay None (the graph writes their buffers)."""
         zero = []
         for i, (p, g) in enumerate(zip(self.params, self.grads)):
             if p.grad is g or i in grads_started:
@@ -2423,9 +2402,8 @@ class MicroBatchGraphs:
             self.params[i].grad = self.grads[i]
 
     def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward):
-        """One micro-batch through its graph (captured at its key's first micro-batch): forward_backward(inputs,
-        targets, cu_seqlens, ws_short, ws_long, divisor) runs loss / divisor backward and returns the loss, which
-        the graph writes into self.loss."""
+        """One micro-batch through its graph: forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor)
+        runs loss / divisor backward and returns the loss, which the graph writes into self.loss."""
         key = self.key(batch, ws_short, ws_long)
         grads_started = key[-1]
         self.attach_grads(grads_started)
@@ -2630,11 +2608,9 @@ class Trainer:
         return total.item()
 
     def warm_up_kernels(self):
-        """Untimed: compile and run everything the timed run will meet, then restore the initial weights and
-        optimizer states so the timed run starts from scratch. First each stage eagerly, which compiles and makes
-        every lazily made state; then, with CUDA graphs, each stage again, capturing its micro-batches into the
-        graphs' pool once the eager blocks are released (the two never hold memory at the same time); then every
-        window pair validation runs with."""
+        """Untimed: each stage eagerly (it compiles and makes every lazily made state), then with CUDA graphs each
+        stage again, captured into the graphs' pool after the eager blocks are released (so they never hold memory
+        at the same time), then every validation window; last, the initial weights and optimizer states return."""
         a = self.args
         self.warm_up_times = []  # (label, seconds): where the cold start goes
         initial = copy.deepcopy(dict(model=self.model.state_dict(),
@@ -2781,10 +2757,9 @@ def peak_memory_line(device: str) -> str:
         (f" graphs' pool: {pool} MiB" if device == "cuda" else "")
 
 class NonFiniteLossWatch:
-    """Stops a run whose training loss is no longer finite, without making the host wait for the GPU: the device
-    counts the steps whose loss was finite; rank 0 copies the count into pinned memory and reads a copy once its
-    event has passed, a step or two later. (A non-finite loss on any rank reaches every rank's weights at the next
-    optimizer step, so rank 0 sees it too; the other ranks are ended by the launcher.)"""
+    """Stops a run whose training loss is no longer finite without making the host wait: the device counts the steps
+    with a finite loss, and rank 0 reads that count from a pinned copy once its event has passed, a step or two later
+    (a non-finite loss on any rank reaches every rank's weights at the next step; the launcher ends the others)."""
 
     def __init__(self, device: str, master: bool):
         self.active, self.cuda = master, device == "cuda"
@@ -3067,9 +3042,8 @@ COMPILE_CACHE_DIRS = ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR", "
 INDUCTOR_DIR_ENTRY = "inductor_cache_dir.txt"  # the Inductor folder the bundle was written from
 
 def default_kernel_cache_dirs(env=os.environ) -> None:
-    """Name every kernel-cache folder before anything compiles, so that a bundle knows where to restore and what to
-    carry. Each default is the folder its owner would pick anyway: FlashAttention-4's and quack's under the temp
-    folder, and for Triton the one Inductor sets for this rank's GPU (our kernels then share it)."""
+    """Name every kernel-cache folder before anything compiles (a bundle restores and carries them): the folder each
+    owner would pick anyway, and for Triton the one Inductor sets for this rank's GPU (our kernels then share it)."""
     user_tmp = Path(tempfile.gettempdir()) / getpass.getuser()
     env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(user_tmp / "flash_attention_cute_dsl_cache"))
     env.setdefault("QUACK_CACHE_DIR", str(user_tmp / "quack_cache"))
@@ -3202,9 +3176,8 @@ def save_compile_cache(path: Path) -> str:
     return f"compile cache: wrote {path} ({path.stat().st_size / 2**20:.1f} MB, {files} kernel-cache files)"
 
 def compile_cache_after_warm_up(path: Path | None, loaded: bool) -> str:
-    """After the warm-up (rank 0): write the bundle where none matched, and rewrite a loaded one that lacked graphs
-    this run had to compile (written by an earlier version of the script, or with settings that change a graph):
-    kept as it was, it would make every later start compile them again. Returns the log line ("" for none)."""
+    """After the warm-up (rank 0): write the bundle where none matched, or rewrite a loaded one that lacked graphs
+    this run compiled (else every later start compiles them again). Returns the log line ("" for none)."""
     if path is None:
         return ""
     if not loaded:
