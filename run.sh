@@ -301,6 +301,9 @@ setup_cpu() {
     "$PY" -c 'import torch, triton, pytest; print("run.sh: CPU test environment ready: torch", torch.__version__, "triton", triton.__version__, "pytest", pytest.__version__)'
 }
 
+TEST_SUITE_LIMIT_MIN=60  # the suite: 5-7 minutes on 2 idle cores, 27 on 2 cores shared with 4 other test runs; a test
+                         # that hangs is stopped after 10 (pytest.ini)
+
 run_tests() {
     # find_spec only looks the packages up (no torch import), so this check costs milliseconds.
     local missing
@@ -309,9 +312,45 @@ run_tests() {
     if [ -n "$missing" ]; then
         die 2 "the test environment is not set up ($missing not installed for $PY); run ./run.sh setup-cpu first (CPU torch + requirements-dev.txt), or $PY -m pip install -r requirements-dev.txt where torch is already installed"
     fi
+    # The run's own folder (tests/conftest.py): its compile caches, the process groups tests start, the test each
+    # process is running. Removed at the end, whatever happened.
+    local dir pid rc=0 stop=""
+    dir=$(mktemp -d "${TMPDIR:-/tmp}/speedrun-tests-XXXXXX")
     # One worker per core (pytest-xdist), each test file on one worker: a file's module-scoped fixtures (the smoke
-    # run) then run once, and the two cores of a small machine halve the suite's time.
-    exec "$PY" -m pytest -q -n auto --dist loadfile tests "$@"
+    # run) then run once, and the two cores of a small machine halve the suite's time. A test that crashes or runs
+    # past its limit (pytest.ini) fails the run; as the last guard, a run still going after TEST_SUITE_LIMIT_MIN is
+    # interrupted as Ctrl-C would, and killed a minute later. timeout puts the suite in a process group of its own
+    # (workers and what they fork included) that it signals whole; the terminal's Ctrl-C then reaches only this
+    # shell, so the suite runs in the background and the traps below pass INT and TERM on, as INT (pytest cleans up).
+    SPEEDRUN_TEST_RUN_DIR=$dir timeout --signal=INT --kill-after=60 "${TEST_SUITE_LIMIT_MIN}m" \
+        "$PY" -m pytest -q -n auto --dist loadfile tests "$@" &
+    pid=$!
+    trap 'stop=130; kill -INT "$pid" 2>/dev/null || true' INT
+    trap 'stop=143; kill -INT "$pid" 2>/dev/null || true' TERM
+    wait "$pid" || rc=$?
+    while kill -0 "$pid" 2>/dev/null; do  # that wait ended for a trap: the suite is still stopping
+        rc=0
+        wait "$pid" || rc=$?
+    done
+    trap - INT TERM
+    local running
+    running=$(cat "$dir"/running/* 2>/dev/null | tr '\n' ' ') || true
+    running=${running% }
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        echo "run.sh: the test suite ran past its ${TEST_SUITE_LIMIT_MIN}-minute limit and was stopped; tests running then: ${running:-none}" >&2
+        rc=1
+    elif [ -n "$stop" ]; then
+        rc=$stop  # stopped by a signal: its status, whatever pytest made of it
+    elif [ "$rc" -gt 128 ]; then  # pytest itself died (one process, -n 0, that crashed or was killed)
+        echo "run.sh: the test run was killed by signal $((rc - 128)); tests running then: ${running:-none}" >&2
+    fi
+    # Groups a test started are killed by the suite itself, unless it was killed first (it records them here).
+    local group
+    for group in "$dir"/groups/*; do
+        [ -e "$group" ] && kill -KILL -- "-${group##*/}" 2>/dev/null || true
+    done
+    rm -rf "$dir"
+    exit "$rc"
 }
 
 proxy() {

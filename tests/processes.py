@@ -5,7 +5,9 @@
 subprocess.run kills only its direct child on a timeout: torchrun's workers would
 live on after the test, holding cores that the rest of the suite needs. Here the command starts a new session
 (its own process group), and on a timeout, or once it has exited, every process left in that group is killed.
-Every group started is remembered, so that the suite can check at its end that none is left (conftest.py).
+Every group started is remembered, so that the suite can check at its end that none is left (conftest.py); with
+SPEEDRUN_TEST_RUN_DIR set (the suite's own folder, conftest.py) also on disk, in its groups/ folder, so that the
+suite's main process finds and kills the groups of a test process that crashed or was killed before it could.
 """
 import os
 import signal
@@ -13,33 +15,104 @@ import subprocess
 import time
 from pathlib import Path
 
-STARTED_GROUPS = set()
+RUN_DIR_ENV = "SPEEDRUN_TEST_RUN_DIR"
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live processes (not zombies) whose process group is pgid, from /proc (Linux); [] elsewhere."""
-    members = []
+def _registry() -> Path | None:
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    return Path(run_dir) / "groups" if run_dir else None
+
+
+class _Groups(set):
+    """The groups this process started; add() also records the group in the run's folder (when there is one)."""
+
+    def add(self, pgid: int) -> None:
+        super().add(pgid)
+        registry = _registry()
+        if registry is not None:
+            registry.mkdir(parents=True, exist_ok=True)
+            (registry / str(pgid)).touch()
+
+
+STARTED_GROUPS = _Groups()
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid: (parent pid, process group) of every live process (zombies left out), from /proc (Linux); {} elsewhere."""
+    table = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
+        if fields[0] != "Z":
+            table[int(entry.name)] = (int(fields[1]), int(fields[2]))
+    return table
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of the group pgid and their descendants: torchrun starts its workers in sessions of their own,
+    and they must go with it."""
+    table = _processes()
+    members = {pid for pid, (_, group) in table.items() if group == pgid}
+    grown = True
+    while grown:
+        children = {pid for pid, (parent, _) in table.items() if parent in members} - members
+        members |= children
+        grown = bool(children)
+    return sorted(members)
 
 
 def kill_group(pgid: int, wait_s: float = 10.0) -> None:
-    """SIGKILL every process of the group, and wait (up to wait_s) until none is alive: a killed process lives on
-    for a moment, and the caller's next look should not find it."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        return
+    """SIGKILL every process of the group (descendants in other groups included), and wait (up to wait_s) until none
+    is alive: a killed process lives on for a moment, and the caller's next look should not find it."""
+    # Stopped first, so that none can start another process while the tree is read; read before the kill, since a
+    # descendant whose parent is gone can no longer be traced to the group.
+    members = []
+    while True:
+        found = group_members(pgid)
+        _signal(pgid, found, signal.SIGSTOP)
+        if set(found) <= set(members):
+            break
+        members = sorted(set(members) | set(found))
+    _signal(pgid, members, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
-    while group_members(pgid) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in members) and time.monotonic() < deadline:
         time.sleep(0.01)
+    registry = _registry()
+    if registry is not None and not group_members(pgid):
+        (registry / str(pgid)).unlink(missing_ok=True)
+
+
+def _signal(pgid: int, pids: list[int], sig: int) -> None:
+    for send, target in [(os.killpg, pgid)] + [(os.kill, pid) for pid in pids]:
+        try:
+            send(target, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def recorded_groups_left() -> dict[int, list[int]]:
+    """The groups recorded in the run's folder that still have live processes: pgid -> pids."""
+    registry = _registry()
+    if registry is None or not registry.is_dir():
+        return {}
+    left = {}
+    for entry in registry.iterdir():
+        members = group_members(int(entry.name))
+        if members:
+            left[int(entry.name)] = members
+        else:
+            entry.unlink(missing_ok=True)
+    return left
 
 
 def run_group(cmd, timeout: float, capture_output: bool = True, text: bool = True, **kwargs):
