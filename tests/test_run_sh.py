@@ -681,7 +681,7 @@ def test_requirements_files_split():
             "matplotlib"} <= set(runtime)
     assert "pytest" not in runtime and "flash-attn-4" not in runtime and "quack-kernels" not in runtime
     dev = (REPO / "requirements-dev.txt").read_text().splitlines()
-    assert "-r requirements.txt" in dev and requirement_names("requirements-dev.txt") == ["pytest", "pytest-xdist"]
+    assert "-r requirements.txt" in dev and requirement_names("requirements-dev.txt") == ["pytest", "pytest-xdist", "pytest-timeout"]
     assert {"flash-attn-4", "quack-kernels"} <= set(requirement_names("requirements-gpu.txt"))
 
 
