@@ -1,4 +1,7 @@
-"""Model: init loss, YaRN, rotary, reference attention, parameter table, layer map, gradients."""
+"""Model: init loss, YaRN, rotary, reference attention, parameter table, layer map, gradients, compiled regions, the
+plain lm_head_loss, and the fused attention (its Triton q/k norm + rotary pass, FlashAttention-4 stood in) against the
+plain `attention`."""
+import dataclasses
 import math
 
 import pytest
@@ -9,12 +12,14 @@ import train_gpt as tg
 from interpreter import run_in_triton_interpreter
 
 SMOKE = tg.Hyperparameters(**tg.SMOKE_PRESET)
+TINY = dataclasses.replace(SMOKE, model_dim=32, num_heads=2, head_dim=16)  # cheaper GEMMs, the same graphs
 VOCAB_PADDED = 50304
+PLAIN = {name: kernel.plain for name, kernel in tg.FUSED_KERNELS.items()}
 
 
-def make_model(world_size=1, max_seq_len=1024, seed=0, args=SMOKE):
+def make_model(world_size=1, max_seq_len=1024, seed=0, args=SMOKE, kernels=None):
     torch.manual_seed(seed)
-    return tg.GPT(args, max_seq_len=max_seq_len, world_size=world_size)
+    return tg.GPT(args, max_seq_len=max_seq_len, world_size=world_size, kernels=kernels)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +37,20 @@ def random_batch(T, num_docs=4, seed=0):
     return ids[:-1].to(torch.int32), ids[1:].to(torch.int64), cu
 
 
+def traceable_attention(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
+    """A stand-in for `attention` that torch.compile can trace (the CPU's reference attention loops over documents in
+    Python): the plain q/k norm and rotary, v (+ ve), and the window table's row used as data, as the real kernels
+    use it. No mixing across tokens: these tests are about graphs, not attention."""
+    q, k, v = qkv.chunk(3, dim=1)
+    q, k = tg.rotary(tg.norm(q), cos, sin), tg.rotary(tg.norm(k), cos, sin)
+    if ve is not None:
+        v = v + ve
+    return v * (window_table[window_row, 0] * window_table[window_row, 1]).to(v.dtype) + q * k
+
+
+TRACEABLE = dict(PLAIN, attention=traceable_attention)
+
+
 # ----------------------------------------------------------------------------------------------------
 # init loss
 # ----------------------------------------------------------------------------------------------------
@@ -39,7 +58,7 @@ def random_batch(T, num_docs=4, seed=0):
 def test_init_loss_eval_is_mean_ln_vocab(model):
     inputs, targets, cu = random_batch(256)
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), tg.bf16_gemms_in_fp32():  # as the CPU trainer runs where bf16 GEMMs are slow
         loss = model(inputs, targets, cu, 1, 3, 256)
     model.train()
     assert loss.ndim == 0 and loss.dtype == torch.float32
@@ -51,7 +70,7 @@ def test_init_loss_train_is_sum(model):
     T = 256
     inputs, targets, cu = random_batch(T, seed=1)
     model.train()
-    with torch.no_grad():
+    with torch.no_grad(), tg.bf16_gemms_in_fp32():
         loss = model(inputs, targets, cu, 1, 3, 256)
     # Training keeps bf16 logits (as the record does) but sums the per-token losses in fp32
     assert loss.dtype == torch.float32
@@ -62,6 +81,27 @@ def test_init_loss_train_is_sum(model):
 def test_all_logits_15_at_init(model):
     # lm_head is zero-initialised -> logits 0 -> softcap 30*sigmoid(0) = 15 for every class
     assert torch.count_nonzero(model.lm_head.weight) == 0
+
+
+def test_evaluation_runs_the_head_in_chunks_and_returns_the_mean_of_the_whole_batch(monkeypatch):
+    """Evaluation sums the head's loss over EVAL_HEAD_CHUNK-token chunks (a ragged last one included) and divides by
+    every token: the mean the unchunked head gives."""
+    m = make_model(seed=2, max_seq_len=256, args=TINY)
+    with torch.no_grad():
+        m.lm_head.weight.normal_(0, 0.05)
+    inputs, targets, cu = random_batch(256, seed=3)
+    m.eval()
+    with torch.no_grad(), tg.bf16_gemms_in_fp32():
+        x = m.trunk(inputs, cu, m.window_table(1, 3), 256)
+        whole = tg.lm_head_loss(x, m.lm_head.weight, targets, fp8=False) / 256
+        sizes = []
+        real_head = m._head
+        m._head = lambda x, t: sizes.append(len(t)) or real_head(x, t)
+        monkeypatch.setattr(tg, "EVAL_HEAD_CHUNK", 100)
+        chunked = m(inputs, targets, cu, 1, 3, 256)
+    m.train()
+    assert sizes == [100, 100, 56]
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -139,7 +179,7 @@ def test_rotary_zero_frequency_half_unchanged_and_norm_preserved():
     y.stretch(3, 7)
     torch.manual_seed(0)
     x = torch.randn(512, 3, 128)
-    out = y.rotate(x)
+    out = tg.rotary(x, y.cos, y.sin)
     assert out.shape == x.shape
     # pairs 32..63 have zero frequency: dims 32..63 (x1) and 96..127 (x2) pass through exactly
     assert torch.equal(out[..., 32:64], x[..., 32:64])
@@ -153,16 +193,19 @@ def test_rotary_zero_frequency_half_unchanged_and_norm_preserved():
     torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1), rtol=5e-3, atol=0)
 
 
-def test_rotary_direction():
-    # y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos (half-truncated rotary)
-    y = tg.Yarn(8, 4)
+def test_rotary_direction_and_the_first_rows_of_longer_tables():
+    # y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos (half-truncated rotary); token t reads row t of tables that may be
+    # longer than the sequence (the model's cover its longest micro-batch)
+    y = tg.Yarn(8, 16)
     x = torch.zeros(4, 1, 8)
     x[:, 0, 0] = 1.0  # x1 of pair 0 (frequency 1)
-    out = y.rotate(x)
+    out = tg.rotary(x, y.cos, y.sin)
+    assert out.shape == x.shape
     for t in range(4):
         c, s = y.cos[t, 0].float(), y.sin[t, 0].float()
         assert out[t, 0, 0].item() == pytest.approx(c.item())
         assert out[t, 0, 4].item() == pytest.approx(-s.item())
+    assert out[1, 0, 0].item() == pytest.approx(math.cos(1.0), abs=4e-3)  # one radian at token 1
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -187,8 +230,8 @@ def dense_reference(q, k, v, cu, scale, window):
     return out.transpose(0, 1)
 
 
-def attn_params(scale, window, short_window=None):
-    """The CPU tensor GPT.attention_params builds: rows [scale, window] for the short (0) and long (1) window."""
+def window_table(scale, window, short_window=None):
+    """The CPU tensor GPT.window_table builds: rows [scale, window in tokens] of the short (0) and long (1) window."""
     short = window if short_window is None else short_window
     return torch.tensor([[scale, short], [scale, window]], dtype=torch.float64)
 
@@ -202,7 +245,7 @@ def test_attention_reference_matches_dense_sdpa(window):
     assert sum(lengths) == T
     cu = tg.pack_cu_seqlens(lengths, T, 16)  # padded with T: zero-length tail entries
     assert cu.tolist()[-3:] == [T, T, T]
-    out = tg.attention_reference(q, k, v, cu, max(lengths), attn_params(0.37, window), 1)
+    out = tg.attention_reference(q, k, v, cu, max(lengths), window_table(0.37, window), 1)
     assert out.dtype == torch.float64 and out.shape == q.shape
     # attention_reference computes in fp32 (`.float()`) whatever the input dtype, so fp32-level tolerance
     torch.testing.assert_close(out, dense_reference(q, k, v, cu, 0.37, window), rtol=1e-5, atol=1e-5)
@@ -213,10 +256,10 @@ def test_attention_reference_no_cross_document_leak():
     T, H, D = 32, 2, 8
     q, k, v = (torch.randn(T, H, D, dtype=torch.float64) for _ in range(3))
     cu = tg.pack_cu_seqlens([10, 22], T, 8)
-    out = tg.attention_reference(q, k, v, cu, 22, attn_params(0.5, 100), 0)
+    out = tg.attention_reference(q, k, v, cu, 22, window_table(0.5, 100), 0)
     v2 = v.clone()
     v2[:10] += 100.0  # changing document 0 must not change document 1's output
-    out2 = tg.attention_reference(q, k, v2, cu, 22, attn_params(0.5, 100), 0)
+    out2 = tg.attention_reference(q, k, v2, cu, 22, window_table(0.5, 100), 0)
     assert torch.equal(out[10:], out2[10:])
     # the first token of each document attends only to itself
     torch.testing.assert_close(out[10], v[10])
@@ -316,7 +359,7 @@ def test_init_values(model):
 # ----------------------------------------------------------------------------------------------------
 
 def test_forward_backward_grads_for_all_params():
-    m = make_model(seed=3, max_seq_len=256)
+    m = make_model(seed=3, max_seq_len=256, args=TINY)
     with torch.no_grad():  # make the zero-initialised parameters non-zero so every gradient path is live
         for name, p in m.named_parameters():
             if "lm_head" in name or "c_proj" in name or "gate" in name:
@@ -326,8 +369,9 @@ def test_forward_backward_grads_for_all_params():
                 p[3 * d:] = torch.randn_like(p[3 * d:]) * 0.02
         m.scalars[60] = 0.3  # smear lambda (0 at init would zero the smear gate's gradient)
     inputs, targets, cu = random_batch(128, seed=5)
-    loss = m(inputs, targets, cu, 1, 3, 128)
-    loss.backward()
+    with tg.bf16_gemms_in_fp32():  # as the CPU trainer runs where bf16 GEMMs are slow
+        loss = m(inputs, targets, cu, 1, 3, 128)
+        loss.backward()
     for name, p in m.named_parameters():
         assert p.grad is not None, name
         assert p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
@@ -347,9 +391,28 @@ def test_gpt_supports_module_apply():
     assert "Yarn" in seen and "GPT" in seen
 
 
-def _value_passthrough_attention(q, k, v, cu_seqlens, max_seqlen, params, which):
-    return v  # traceable stand-in: these tests are about graph structure, not attention
+def test_the_model_calls_the_functions_it_is_given_and_the_plain_ones_by_default():
+    assert make_model(max_seq_len=16).kernels == PLAIN
+    assert make_model(max_seq_len=16).lm_head.loss_fn is tg.lm_head_loss
+    calls = []
 
+    def recording(name):
+        def call(*args):
+            calls.append(name)
+            return PLAIN[name](*args)
+        return call
+
+    m = make_model(max_seq_len=128, kernels={name: recording(name) for name in PLAIN}, args=TINY)
+    m(*random_batch(128, seed=2), 1, 3, 128)
+    # 10 attention layers, 11 MLPs, one head
+    assert sorted(set(calls)) == sorted(PLAIN) and calls.count("attention") == calls.count("attention_output") == 10
+    assert calls.count("mlp") == 11 and calls.count("lm_head_loss") == 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# compiled regions: one graph for every stage (symbolic token dimension, windows and YaRN scale as data), the same
+# numbers as eager, lm_head's backward first
+# ----------------------------------------------------------------------------------------------------
 
 def _compiled_backward_nodes(loss):
     """Autograd nodes reachable from loss, in root-first BFS order, with their AccumulateGrad children."""
@@ -364,28 +427,78 @@ def _compiled_backward_nodes(loss):
     return [n for n in order if "CompiledFunction" in type(n).__name__]
 
 
-def test_only_a_compiled_model_marks_the_token_dimension_dynamic():
+def model_pair(seed, max_seq_len, head_seed, kernels=TRACEABLE, output_projections=False, args=TINY):
+    """Two identical models (an eager one and one to compile) with a non-zero lm_head, so gradients flow;
+    output_projections: non-zero attention output projections too, so the attention inputs, gates and value
+    embeddings get gradients."""
+    pair = tuple(make_model(seed=seed, max_seq_len=max_seq_len, kernels=kernels, args=args) for _ in range(2))
+    head = torch.randn(pair[0].lm_head.weight.shape, generator=torch.Generator().manual_seed(head_seed)).mul(0.02)
+    for m in pair:
+        g = torch.Generator().manual_seed(head_seed + 1)
+        with torch.no_grad():
+            m.lm_head.weight.copy_(head.bfloat16())
+            for block in m.blocks if output_projections else ():
+                if block.attn is not None:
+                    d = block.attn.dim
+                    block.attn.qkvo_w[3 * d:].copy_(torch.randn(d, d, generator=g) * 0.05)
+    return pair
+
+
+def pair_losses(pair, T=128, seed=7):
+    """Both models' training losses on one random batch, backward done (gradients in .grad)."""
+    inputs, targets, cu = random_batch(T, seed=seed)
+    losses = [m(inputs, targets, cu, 1, 3, T) for m in pair]
+    for loss in losses:
+        loss.backward()
+    return losses
+
+
+@pytest.fixture(scope="module")
+def compiled_pair():
+    """An eager model and its twin compiled per region (aot_eager), shared by the tests below: each compilation of
+    the 12 blocks costs tens of CPU seconds."""
+    eager, compiled = model_pair(seed=11, max_seq_len=512, head_seed=2, output_projections=True)
+    compiled.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
+    yield eager, compiled
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def pair(compiled_pair):
+    """The shared pair with no gradients and fresh YaRN tables, before and after the test."""
+    def fresh():
+        for m in compiled_pair:
+            m.zero_grad(set_to_none=True)
+            m.yarn.reset()
+    fresh()
+    yield compiled_pair
+    fresh()
+
+
+def test_only_a_compiled_model_marks_the_token_dimension_dynamic(pair):
     """Compiled, the batch tensors' token dimension is marked dynamic (one graph for every micro-batch length);
     eager, the inputs are left as they are."""
-    m = make_model(seed=4, max_seq_len=128)
-    m.attn_fn = _value_passthrough_attention
+    eager, compiled = pair
     inputs, targets, cu = random_batch(128, seed=6)
-    m(inputs, targets, cu, 1, 3, 128)
+    eager(inputs, targets, cu, 1, 3, 128)
     assert not any(hasattr(t, "_dynamo_dynamic_indices") for t in (inputs, targets, cu))
-    m.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
-    m(inputs, targets, cu, 1, 3, 128)
-    torch._dynamo.reset()
+    compiled(inputs, targets, cu, 1, 3, 128)
     assert all(0 in t._dynamo_dynamic_indices for t in (inputs, targets, cu))
 
 
-def test_compiled_regions_give_lm_head_its_own_backward_graph_that_runs_before_the_trunk():
+def test_compiled_regions_compute_the_same_loss_and_grads_as_eager(pair):
+    losses = pair_losses(pair)
+    assert torch.equal(losses[0], losses[1])
+    eager, compiled = pair
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+
+
+def test_compiled_regions_give_lm_head_its_own_backward_graph_that_runs_before_the_trunk(pair):
     """DistAdam's lm_head reduce-scatter can only overlap the trunk's backward if lm_head's gradient comes out of a
     separate, earlier backward graph (a whole-model compile would release every gradient at the very end)."""
-    m = make_model(seed=4, max_seq_len=128)
-    with torch.no_grad():
-        m.lm_head.weight.normal_(0, 0.02)
-    m.attn_fn = _value_passthrough_attention
-    m.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
+    _, m = pair
     trunk_params = [p for n, p in m.named_parameters() if "lm_head" not in n]
     seen_when_lm_head_ready = []
     handle = m.lm_head.weight.register_post_accumulate_grad_hook(
@@ -398,88 +511,41 @@ def test_compiled_regions_give_lm_head_its_own_backward_graph_that_runs_before_t
     assert id(m.lm_head.weight) in head_leaves and not head_leaves & {id(p) for p in trunk_params}
     loss.backward()
     handle.remove()
-    torch._dynamo.reset()
     assert seen_when_lm_head_ready == [0]  # no trunk gradient existed yet when lm_head's hook fired
     assert all(p.grad is not None for p in trunk_params)
 
 
-def model_pair(seed, max_seq_len, head_seed, attn_fn, output_projections=False):
-    """Two identical models (an eager one and one to compile) with a non-zero lm_head, so gradients flow;
-    output_projections: non-zero attention output projections too, so the attention inputs, gates and value
-    embeddings get gradients."""
-    pair = make_model(seed=seed, max_seq_len=max_seq_len), make_model(seed=seed, max_seq_len=max_seq_len)
-    head = torch.randn(pair[0].lm_head.weight.shape, generator=torch.Generator().manual_seed(head_seed)).mul(0.02)
-    for m in pair:
-        g = torch.Generator().manual_seed(head_seed + 1)
-        with torch.no_grad():
-            m.lm_head.weight.copy_(head.bfloat16())
-            for block in m.blocks if output_projections else ():
-                if block.attn is not None:
-                    d = block.attn.dim
-                    block.attn.qkvo_w[3 * d:].copy_(torch.randn(d, d, generator=g) * 0.05)
-        m.attn_fn = attn_fn
-    return pair
-
-
-def pair_losses(pair, T=128, seed=7):
-    """Both models' training losses on one random batch, backward done (gradients in .grad)."""
-    inputs, targets, cu = random_batch(T, seed=seed)
-    losses = [m(inputs, targets, cu, 1, 3, T) for m in pair]
-    for loss in losses:
-        loss.backward()
-    torch._dynamo.reset()
-    return losses
-
-
-def test_compiled_regions_compute_the_same_loss_and_grads_as_eager():
-    eager, compiled = model_pair(seed=5, max_seq_len=128, head_seed=1, attn_fn=_value_passthrough_attention)
-    compiled.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
-    losses = pair_losses((eager, compiled))
-    assert torch.equal(losses[0], losses[1])
+def test_one_compiled_graph_serves_every_batch_size_window_and_yarn_scale(pair):
+    """A compiled model marks the token dimension dynamic, so the warm-up's first graph must serve all later stages:
+    a new micro-batch length, new windows and a YaRN-stretched table and scale run under fail_on_recompile and give
+    the eager model's loss/grads."""
+    eager, compiled = pair
+    inputs, targets, cu = random_batch(128, seed=12)
+    compiled(inputs, targets, cu, 1, 3, 128).backward()  # "warm-up": the only compilation (if no test made it yet)
+    compiled.zero_grad(set_to_none=True)
+    for m in (eager, compiled):
+        m.yarn.stretch(3, 7)
+    inputs, targets, cu = random_batch(384, num_docs=9, seed=13)
+    cu = torch.cat([cu, torch.full((128,), 384, dtype=cu.dtype)])  # a longer cu_seqlens too (next stage)
+    with tg.no_compiles_allowed(True):
+        loss_c = compiled(inputs, targets, cu, 3, 7, 128)
+        loss_c.backward()
+    loss_e = eager(inputs, targets, cu, 3, 7, 128)
+    loss_e.backward()
+    assert torch.equal(loss_c, loss_e)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.equal(p.grad, q.grad), name
 
 
-def test_residual_linear_op_computes_the_residual_plus_projection_and_its_gradients():
-    """speedrun::residual_linear against residual + y wᵀ under autograd, in float64 (the CPU path), and
-    torch.library's checks of its fake and autograd registrations."""
-    g = torch.Generator().manual_seed(4)
-    inputs = [torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
-              for shape in ((32, 24), (32, 16), (24, 16))]
-    plain = [t.detach().clone().requires_grad_() for t in inputs]
-    out = torch.ops.speedrun.residual_linear(*inputs)
-    ref = plain[0] + plain[1] @ plain[2].t()
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    out.backward(grad)
-    ref.backward(grad)
-    for a, b in zip(inputs, plain):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
-    torch.library.opcheck(torch.ops.speedrun.residual_linear, [t.detach().requires_grad_() for t in inputs])
-
-
-def test_residual_linear_model_matches_the_plain_residual_addition_eager_and_compiled():
-    """With quack's MLP kernel the model's attention output projections go through residual_linear (CPU path: one
-    addmm, fp32 sum of the residual and the product, one rounding); against residual + F.linear (rounds the product
-    first): the same loss and gradients up to bf16 rounding, eager and compiled (aot_eager)."""
-    wired = tg.GPT(SMOKE, max_seq_len=128, mlp_kernel="quack")
-    assert all(b.attn.fused_residual for b in wired.blocks if b.attn is not None)
-    assert not any(b.attn.fused_residual for b in make_model(max_seq_len=128).blocks if b.attn is not None)
-    for compiled in (False, True):
-        plain, fused = model_pair(seed=5, max_seq_len=128, head_seed=1, attn_fn=_value_passthrough_attention,
-                                  output_projections=True)
-        for block in fused.blocks:
-            if block.attn is not None:
-                block.attn.fused_residual = True
-        if compiled:
-            fused.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
-        losses = pair_losses((plain, fused))
-        torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=0)
-        for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
-            assert (p.grad is None) == (q.grad is None), name
-            if p.grad is not None:
-                scale = p.grad.float().abs().max().clamp_min(1e-30)
-                assert (p.grad.float() - q.grad.float()).abs().max() <= 0.05 * scale, name
+def test_window_table_is_a_fresh_cpu_tensor_of_scale_and_windows_in_tokens(model):
+    model.yarn.reset()
+    table = model.window_table(3, 7)
+    assert table.device.type == "cpu" and table.dtype == torch.float64
+    assert table.tolist() == [[0.1, 3 * 128], [0.1, 7 * 128]]
+    assert model.window_table(3, 7) is not table  # saved for the backward: never mutated in place
+    assert tg.scale_and_window(table, 1) == (0.1, 896)
+    assert tg.scale_and_window(model.window_table(5, 11), 0) == (0.1, 640)
+    assert all(type(v) is t for v, t in zip(tg.scale_and_window(table, 0), (float, int)))
 
 
 def test_no_compiles_allowed_raises_on_a_new_graph_and_lets_warmed_ones_run():
@@ -494,77 +560,59 @@ def test_no_compiles_allowed_raises_on_a_new_graph_and_lets_warmed_ones_run():
     torch._dynamo.reset()
 
 
-def test_softcapped_cross_entropy_sum_equals_the_textbook_loss_and_gradient():
-    g = torch.Generator().manual_seed(8)
-    logits = (torch.randn(64, 1000, generator=g) * 20).bfloat16().requires_grad_()  # saturates the softcap too
-    targets = torch.randint(0, 1000, (64,), generator=g)
-    loss = tg.softcapped_cross_entropy_sum(logits, targets)
+# ----------------------------------------------------------------------------------------------------
+# the plain head: lm_head_loss
+# ----------------------------------------------------------------------------------------------------
+
+def head_inputs(seed, T=64, V=1000, D=64, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = tg.norm(torch.randn(T, D, generator=g)).bfloat16().requires_grad_()
+    w = (torch.randn(V, D, generator=g) * spread).bfloat16().requires_grad_()
+    return x, w, torch.randint(0, V, (T,), generator=g)
+
+
+def textbook_loss(x, w, targets):
+    """The record's loss in float64: cross-entropy summed over tokens of 30·sigmoid(logits / 7.5)."""
+    return F.cross_entropy(30 * torch.sigmoid((x @ w.T) / 7.5), targets, reduction="sum")
+
+
+def test_softcap_squashes_every_logit_into_zero_to_thirty_around_fifteen():
+    z = torch.tensor([-1e4, -7.5, 0.0, 7.5, 1e4], dtype=torch.float64)
+    s = 1 / (1 + math.exp(-1))
+    torch.testing.assert_close(tg.softcap(z), torch.tensor([0.0, 30 * (1 - s), 15.0, 30 * s, 30.0],
+                                                           dtype=torch.float64))
+    assert (tg.SOFTCAP, tg.SOFTCAP_WIDTH) == (30.0, 7.5)
+
+
+def test_lm_head_loss_is_the_textbook_loss_with_autograds_gradient():
+    """lm_head_loss (bf16 logits, fp32 softcap and cross-entropy) against the float64 textbook loss, logits large
+    enough to saturate the softcap; its gradients, in the parameters' bf16, are float64 autograd's to bf16 rounding."""
+    x, w, targets = head_inputs(8, spread=3.0)
+    loss = tg.lm_head_loss(x, w, targets, fp8=False)
     loss.backward()
-    ref_logits = logits.detach().double().requires_grad_()
-    ref = F.cross_entropy(30 * torch.sigmoid(ref_logits / 7.5), targets, reduction="sum")
+    xd, wd = (t.detach().double().requires_grad_() for t in (x, w))
+    ref = textbook_loss(xd, wd, targets)
     ref.backward()
-    assert loss.dtype == torch.float32
-    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
-    assert logits.grad.dtype == torch.bfloat16
-    assert ((logits.grad.double() - ref_logits.grad).norm() / ref_logits.grad.norm()).item() < 1e-2  # bf16 grad
+    assert (x @ w.T).abs().max() > 60  # saturated: |logit| / 7.5 > 8
+    assert loss.ndim == 0 and loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-4)  # the bf16 logits' rounding
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    for got, exact in ((x.grad, xd.grad), (w.grad, wd.grad)):
+        assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-2
 
 
-def test_softcapped_cross_entropy_sum_compiled_matches_eager():
-    g = torch.Generator().manual_seed(9)
-    logits = (torch.randn(32, 50304, generator=g) * 5).bfloat16().requires_grad_()
-    targets = torch.randint(0, 50304, (32,), generator=g)
-    eager = tg.softcapped_cross_entropy_sum(logits, targets)
+def test_lm_head_loss_compiled_matches_eager():
+    x, w, targets = head_inputs(9, T=32, V=50304)
+    eager = tg.lm_head_loss(x, w, targets, False)
     eager.backward()
-    grad = logits.grad.clone()
-    logits.grad = None
-    compiled = torch.compile(tg.softcapped_cross_entropy_sum, dynamic=False, fullgraph=True)(logits, targets)
+    grads = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    compiled = torch.compile(tg.lm_head_loss, dynamic=False, fullgraph=True)(x, w, targets, False)
     compiled.backward()
     torch._dynamo.reset()
     assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
-    assert ((logits.grad.float() - grad.float()).norm() / grad.float().norm()).item() < 1e-2
-
-
-# ----------------------------------------------------------------------------------------------------
-# one compiled graph for every stage: symbolic token dimension, windows and YaRN scale as data
-# ----------------------------------------------------------------------------------------------------
-
-def _params_dependent_attention(q, k, v, cu_seqlens, max_seqlen, params, which):
-    """Traceable stand-in that uses the scale and the window as data (as the real kernels do)."""
-    return v * (params[which, 0] * params[which, 1]).to(v.dtype)
-
-
-def test_attention_params_are_a_fresh_cpu_tensor_of_scale_and_windows_in_tokens(model):
-    model.yarn.reset()
-    params = model.attention_params(3, 7)
-    assert params.device.type == "cpu" and params.dtype == torch.float64
-    assert params.tolist() == [[0.1, 3 * 128], [0.1, 7 * 128]]
-    assert model.attention_params(3, 7) is not params  # saved for the backward: never mutated in place
-    assert tg.attention_scalars(params, 1) == (0.1, 896)
-    assert tg.attention_scalars(model.attention_params(5, 11), 0) == (0.1, 640)
-
-
-def test_one_compiled_graph_serves_every_batch_size_window_and_yarn_scale():
-    """A compiled model marks the token dimension dynamic, so the warm-up's first graph must serve all later stages:
-    a new micro-batch length, new windows and a YaRN-updated scale run under fail_on_recompile and give the eager
-    model's loss/grads."""
-    eager, compiled = model_pair(seed=11, max_seq_len=512, head_seed=2, attn_fn=_params_dependent_attention)
-    compiled.compile_regions(backend="aot_eager", dynamic=False, fullgraph=True)
-    inputs, targets, cu = random_batch(128, seed=12)
-    compiled(inputs, targets, cu, 1, 3, 128).backward()  # "warm-up": the only compilation
-    compiled.zero_grad(set_to_none=True)
-    for m in (eager, compiled):
-        m.yarn.stretch(3, 7)
-    inputs, targets, cu = random_batch(384, num_docs=9, seed=13)
-    cu = torch.cat([cu, torch.full((128,), 384, dtype=cu.dtype)])  # a longer cu_seqlens too (next stage)
-    with tg.no_compiles_allowed(True):
-        loss_c = compiled(inputs, targets, cu, 3, 7, 128)
-        loss_c.backward()
-    loss_e = eager(inputs, targets, cu, 3, 7, 128)
-    loss_e.backward()
-    torch._dynamo.reset()
-    assert torch.equal(loss_c, loss_e)
-    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-        assert torch.equal(p.grad, q.grad), name
+    for got, ref in zip((x.grad, w.grad), grads):
+        assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
 
 def test_flash_varlen_op_runs_forward_and_backward_on_meta_tensors():
@@ -572,45 +620,56 @@ def test_flash_varlen_op_runs_forward_and_backward_on_meta_tensors():
     dtypes of out/lse and of dq/dk/dv, with the window and scale passed as a CPU tensor."""
     q, k, v = (torch.empty(256, 6, 128, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in range(3))
     cu = torch.empty(128, dtype=torch.int32, device="meta")
-    params = torch.empty(2, 2, dtype=torch.float64)
-    out, lse, rng = torch.ops.speedrun.flash_varlen(q, k, v, cu, 2048, params, 1)
+    table = torch.empty(2, 2, dtype=torch.float64)
+    out, lse, rng = torch.ops.speedrun.flash_varlen(q, k, v, cu, 2048, table, 1)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     assert lse.shape == (6, 256) and lse.dtype == torch.float32
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
     assert dq.shape == dk.shape == dv.shape == q.shape and dq.dtype == torch.bfloat16
 
 
-def test_fused_fp8_head_gives_the_unfused_heads_loss_and_gradients():
-    """LMHead with fp8: the fused FP8LMHeadCrossEntropySum and lm_head_fp8 + softcapped CE agree exactly."""
-    results = []
-    for fused in (True, False):
-        m = make_model(seed=21, max_seq_len=256)
-        with torch.no_grad():
-            m.lm_head.weight.normal_(0, 0.05)
-        m.lm_head.fp8, m.lm_head.fused = True, fused
-        loss = m(*random_batch(256, seed=22), 1, 3, 256)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
-    assert torch.equal(results[0][0], results[1][0])
-    assert results[0][1].keys() == results[1][1].keys()
-    for name, g in results[0][1].items():
-        assert torch.equal(g, results[1][1][name]), name
+def test_varlen_attention_op_autograd_wiring_traces_with_its_fakes():
+    """Forward and backward of the varlen attention op under FakeTensorMode (what torch.compile traces): the
+    autograd registration must hand the backward op its arguments in its schema's order."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, k, v = (torch.randn(40, 2, 8, requires_grad=True) for _ in range(3))
+        cu = torch.zeros(8, dtype=torch.int32)
+        out = tg.attention_varlen(q, k, v, cu, 40, window_table(0.5, 16), 1)
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_attention_on_the_cpu_is_the_reference_on_normed_rotated_q_and_k():
+    """The plain `attention` from raw projections: rotary(norm(.)) of q and k, v + ve, then the CPU's reference
+    attention, against the same lines written out over the dense masked SDPA (float64)."""
+    torch.manual_seed(0)
+    T, H, D = 64, 2, 16
+    yarn = tg.Yarn(D, 128)
+    yarn.stretch(3, 7)
+    cos, sin = yarn.cos.double(), yarn.sin.double()
+    qkv, ve = torch.randn(T, 3 * H, D, dtype=torch.float64), torch.randn(T, H, D, dtype=torch.float64)
+    cu = tg.pack_cu_seqlens([20, 31, 13], T, 8)
+    out = tg.attention(qkv, ve, cos, sin, cu, 31, window_table(0.3, 9, short_window=4), 0)
+    q, k, v = qkv.view(T, 3, H, D).unbind(1)
+    ref = dense_reference(tg.rotary(tg.norm(q), cos, sin), tg.rotary(tg.norm(k), cos, sin), v + ve, cu, 0.3, 4)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------
-# the FA4 backend's plumbing, with a stand-in for flash_attn.cute.interface (FA4 itself needs a Hopper GPU)
+# the fused attention: FlashAttention-4 (a stand-in here) with the q/k norm and rotary in one Triton pass
 # ----------------------------------------------------------------------------------------------------
 
-class _ReferenceFA4:
-    """The two internal entry points the op calls, computed with dense_reference (float64 autograd for the
-    backward), recording the arguments they were given."""
+class ReferenceFA4:
+    """The two internal entry points of flash_attn.cute.interface the op calls, computed with dense_reference (the
+    backward written out by hand: custom op bodies run below autograd), recording the arguments they were given."""
     calls = []
 
     @classmethod
     def _flash_attn_fwd(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                         window_size_left, window_size_right, return_lse):
-        cls.calls.append(("fwd", softmax_scale, causal, window_size_left, window_size_right, return_lse,
-                          max_seqlen_q, cu_seqlens_q is cu_seqlens_k))
+        cls.calls.append(["fwd", softmax_scale, causal, window_size_left, window_size_right, return_lse,
+                          max_seqlen_q, cu_seqlens_q is cu_seqlens_k])
         out = dense_reference(q, k, v, cu_seqlens_q, softmax_scale, window_size_left)
         lse = torch.zeros(q.size(1), q.size(0), dtype=torch.float32)  # (heads, tokens), unused by this stand-in
         return out, lse, None, None, None
@@ -620,8 +679,7 @@ class _ReferenceFA4:
                         window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk, dv):
         """Writes into the dq, dk, dv buffers it is handed (FA4's out arguments, which fa4_qkv uses to put dv
         straight into the qkv gradient)."""
-        cls.calls.append(("bwd", softmax_scale, causal, window_size_left, window_size_right, softcap))
-        # custom op bodies run below the autograd dispatch key: the attention backward written out by hand
+        cls.calls.append(["bwd", softmax_scale, causal, window_size_left, window_size_right, softcap])
         mask = dense_mask(cu_seqlens_q, q.size(0), window_size_left)
         qh, kh, vh, dh = (t.transpose(0, 1) for t in (q, k, v, dout))          # (heads, T, D)
         p = (softmax_scale * qh @ kh.transpose(1, 2)).masked_fill(~mask, float("-inf")).softmax(-1)
@@ -633,110 +691,85 @@ class _ReferenceFA4:
         return dq, dk, dv
 
 
-def test_auto_backend_on_cpu_is_the_reference_and_fa4_on_cpu_is_a_one_line_error():
-    assert tg.resolve_attention_backend("auto", "cpu") == "reference"
-    with pytest.raises(tg.ConfigError, match="needs a CUDA GPU"):
-        tg.resolve_attention_backend("fa4", "cpu")
-
-
-def test_fa4_backend_is_picked_by_auto_when_installed_and_keeps_its_kernel_cache(monkeypatch):
-    """With flash_attn.cute importable on a Hopper GPU (both faked here), auto picks FA4, and FA4's on-disk kernel cache is switched on (unless the user set the variable)."""
+def test_fa4_is_imported_with_its_kernel_cache_on_and_refused_before_hopper(monkeypatch):
+    """With flash_attn.cute importable (faked here), fa4_interface() is that module and FA4's on-disk kernel cache is
+    switched on (unless the user set the variable); the fused attention's check refuses GPUs before Hopper."""
     import sys
     import types
     fake = types.ModuleType("flash_attn.cute.interface")
     for name in ("flash_attn", "flash_attn.cute"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", fake)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
-    assert tg.resolve_attention_backend("auto", "cuda") == "fa4"
-    assert tg.fa4_interface() is fake
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert tg.fa4_on_this_gpu() is fake and tg.fa4_interface() is fake
     assert tg.os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))  # an A100: FA2 instead
-    monkeypatch.setattr(tg, "varlen_available", lambda: True)
-    assert tg.resolve_attention_backend("auto", "cuda") == "varlen"
-    with pytest.raises(tg.ConfigError, match="compute capability 9.0"):
-        tg.resolve_attention_backend("fa4", "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))  # an A100
+    with pytest.raises(RuntimeError, match="compute capability 9.0"):
+        tg.fa4_on_this_gpu()
 
 
-def test_varlen_attention_op_autograd_wiring_traces_with_its_fakes():
-    """Forward and backward of the varlen attention op under FakeTensorMode (what torch.compile traces): the
-    autograd registration must hand the backward op its arguments in its schema's order."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode():
-        q, k, v = (torch.randn(40, 2, 8, requires_grad=True) for _ in range(3))
-        cu = torch.zeros(8, dtype=torch.int32)
-        out = tg.attention_varlen(q, k, v, cu, 40, attn_params(0.5, 16), 1)
-        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
-    assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
-
-
-# ----------------------------------------------------------------------------------------------------
-# the fa4 backend's q/k norm + rotary pass inside the FA4 op (fa4_qkv)
-# ----------------------------------------------------------------------------------------------------
-
-def qkv_case(T=64, H=2, D=16, seed=0):
-    torch.manual_seed(seed)
-    yarn = tg.Yarn(D, 128)
-    yarn.cos, yarn.sin = yarn.cos.double(), yarn.sin.double()  # tables in float64 for an exact comparison
-    qkv = torch.randn(T, 3 * H, D, dtype=torch.float64) * 2
-    ve = torch.randn(T, H, D, dtype=torch.float64)
-    return yarn, qkv, ve, tg.pack_cu_seqlens([20, 31, 13], T, 8), attn_params(0.3, 9, short_window=4)
-
-
-@pytest.mark.parametrize("with_ve", [False, True])
-def test_fa4_qkv_equals_norm_rotary_and_attention_forward_and_backward_with_the_step_window(monkeypatch, with_ve):
-    """fa4_qkv (norm + rotary inside the op, dv written into the qkv gradient, ve's gradient = dv) against the
-    model's own lines (norm, Yarn.rotate, v + ve) and dense attention, float64; FA4 gets the step's short window
-    and scale, causal, in both passes."""
-    monkeypatch.setattr(tg, "fa4_interface", lambda: _ReferenceFA4)
-    _ReferenceFA4.calls = []
-    yarn, qkv0, ve0, cu, params = qkv_case()
-    T, H3, D = qkv0.shape
-    H = H3 // 3
-    qkv, ve = qkv0.clone().requires_grad_(), ve0.clone().requires_grad_()
-    out = tg.attention_fa4_qkv(qkv, ve if with_ve else None, yarn, cu, 31, params, 0)  # `which` 0: the short window
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (qkv, ve) if with_ve else (qkv,), dout)
-    assert _ReferenceFA4.calls == [("fwd", 0.3, True, 4, 0, True, 31, True), ("bwd", 0.3, True, 4, 0, 0.0)]
-
-    qkv_r, ve_r = qkv0.clone().requires_grad_(), ve0.clone().requires_grad_()
-    q, k, v = qkv_r.view(T, 3, H, D).unbind(1)
-    q, k = yarn.rotate(tg.norm(q)), yarn.rotate(tg.norm(k))
-    v = v + ve_r if with_ve else v
-    ref = dense_reference(q, k, v, cu, 0.3, 4)
-    ref_grads = torch.autograd.grad(ref, (qkv_r, ve_r) if with_ve else (qkv_r,), dout)
-    # the only difference: the norm's eps is float32's in the fused op, float64's in F.rms_norm here
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
-
-
-def test_fused_qk_norm_rope_op_fakes_trace_forward_and_backward():
+def test_fused_attention_op_fakes_trace_forward_and_backward():
     """What torch.compile traces: the fakes' shapes for both ops, with and without the value embedding."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     yarn = tg.Yarn(8, 64)
     with FakeTensorMode(allow_non_fake_inputs=True):
         for ve in (None, torch.randn(40, 2, 8, requires_grad=True)):
             qkv = torch.randn(40, 6, 8, requires_grad=True)
-            out, lse, qk, v_used, rstd = torch.ops.speedrun.fa4_qkv(qkv, ve, yarn.cos, yarn.sin,
-                                                                    torch.zeros(8, dtype=torch.int32), 40,
-                                                                    attn_params(0.5, 16), 1)
+            args = (qkv, ve, yarn.cos, yarn.sin, torch.zeros(8, dtype=torch.int32), 40, window_table(0.5, 16), 1)
+            out, lse, qk, v_used, rstd = torch.ops.speedrun.fa4_qkv(*args)
             assert [tuple(t.shape) for t in (out, lse, qk, rstd)] == [(40, 2, 8), (2, 40), (40, 4, 8), (40, 4)]
             assert tuple(v_used.shape) == ((40, 2, 8) if ve is not None else (0,))
+            assert tuple(tg.fused_attention(*args).shape) == (40, 2, 8)
             grads = torch.autograd.grad(out.sum(), (qkv,) if ve is None else (qkv, ve))
             assert [tuple(g.shape) for g in grads] == [(40, 6, 8)] + ([(40, 2, 8)] if ve is not None else [])
 
 
-def test_the_fa4_backend_attends_through_fa4_qkv_with_or_without_triton(monkeypatch):
-    """fa4 always takes the fused op (without Triton its passes fall back to PyTorch inside it); other backends
-    attend from rotated q and k."""
-    for triton in (tg.triton, None):
-        monkeypatch.setattr(tg, "triton", triton)
-        fa4 = tg.GPT(SMOKE, max_seq_len=128, attn_backend="fa4")
-        assert fa4.qkv_attn_fn is tg.attention_fa4_qkv and fa4.attn_fn is None
-        varlen = tg.GPT(SMOKE, max_seq_len=128, attn_backend="varlen")
-        assert varlen.qkv_attn_fn is None and varlen.attn_fn is tg.attention_varlen
+FUSED_ATTENTION_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+import train_gpt as tg
+from test_model import ReferenceFA4, window_table
+assert tg._TRITON_INTERPRET
+tg.fa4_interface = lambda: ReferenceFA4
+out = []
+for T, H, D, lengths in [(64, 2, 16, [20, 31, 13]), (37, 3, 32, [1, 26, 10])]:
+    for with_ve in (False, True):
+        torch.manual_seed(T)
+        yarn = tg.Yarn(D, 128)
+        yarn.stretch(3, 7)
+        cos, sin = yarn.cos.float(), yarn.sin.float()
+        cu = tg.pack_cu_seqlens(lengths, T, 8)
+        table = window_table(0.3, 9, short_window=4)
+        qkv0, ve0 = torch.randn(T, 3 * H, D) * 2, torch.randn(T, H, D)
+        dout = torch.randn(T, H, D)
+        results = []
+        for attend in (tg.fused_attention, tg.attention):
+            ReferenceFA4.calls = []
+            qkv, ve = qkv0.clone().requires_grad_(), ve0.clone().requires_grad_()
+            y = attend(qkv, ve if with_ve else None, cos, sin, cu, max(lengths), table, 0)
+            grads = torch.autograd.grad(y, (qkv, ve) if with_ve else (qkv,), dout)
+            results.append((y, grads, ReferenceFA4.calls))
+        (y, grads, calls), (ref, ref_grads, _) = results
+        rel = lambda a, b: ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+        out.append(dict(case=[T, H, D, with_ve], max_seqlen=max(lengths), calls=calls, out_rel_err=rel(y, ref),
+                        grad_rel_errs=[rel(g, r) for g, r in zip(grads, ref_grads)]))
+print(json.dumps(out))
+"""
+
+
+def test_fused_attention_equals_the_plain_attention_forward_and_backward():
+    """fused_attention (the Triton q/k norm + rotary pass, v + ve, FlashAttention-4 stood in by dense attention; dv
+    written into the qkv gradient, ve's gradient = dv) against the plain `attention` and autograd of it, fp32 in the
+    Triton interpreter, YaRN-stretched tables, with and without the value embedding; FA4 gets the short window and
+    the scale of the table's row 0, causal, in both passes."""
+    rows = run_in_triton_interpreter(FUSED_ATTENTION_SCRIPT)
+    assert len(rows) == 4
+    for row in rows:
+        assert row["calls"] == [["fwd", 0.3, True, 4, 0, True, row["max_seqlen"], True],
+                                ["bwd", 0.3, True, 4, 0, 0.0]], row
+        assert row["out_rel_err"] < 1e-5, row
+        assert len(row["grad_rel_errs"]) == (2 if row["case"][3] else 1) and max(row["grad_rel_errs"]) < 1e-5, row
 
 
 QK_NORM_ROPE_SCRIPT = """
@@ -749,19 +782,17 @@ for T, H, D in [(37, 2, 16), (64, 3, 32), (5, 1, 8)]:  # T*2H rows: ragged again
     yarn = tg.Yarn(D, 128)
     yarn.stretch(3, 7)  # stretched (YaRN) tables, as after a window change
     qkv = (torch.randn(T, 3 * H, D) * 2).float()
-    qk, rstd = tg.qk_norm_rope(qkv, yarn.cos, yarn.sin)  # the kernel (interpreter), fp32
-    x = qkv.double().view(T, 3, H, D)[:, :2].requires_grad_(True)
-    c, s = yarn.cos.double(), yarn.sin.double()
-    rot = lambda t: torch.cat([t.chunk(2, -1)[0] * c[:T, None, None] + t.chunk(2, -1)[1] * s[:T, None, None],
-                               t.chunk(2, -1)[1] * c[:T, None, None] - t.chunk(2, -1)[0] * s[:T, None, None]], -1)
-    ref = rot(torch.nn.functional.rms_norm(x, (D,), eps=torch.finfo(torch.float32).eps))  # the model: rotate(norm(x))
+    cos, sin = yarn.cos.float(), yarn.sin.float()
+    qk, rstd = tg.qk_norm_rope(qkv, cos, sin)  # the kernel (interpreter), fp32
+    x = qkv.double().view(T, 3, H, D)[:, :2].reshape(T, 2 * H, D).requires_grad_(True)
+    ref = tg.rotary(tg.norm(x), cos.double(), sin.double())  # the plain functions, float64
     d_qk = torch.randn(T, 2 * H, D)
     d_qkv = torch.full_like(qkv, float("nan"))  # the v heads must stay untouched
-    tg.qk_norm_rope_backward(d_qk, qkv, rstd, yarn.cos, yarn.sin, d_qkv)
-    ref_grad = torch.autograd.grad(ref, x, d_qk.double().view(T, 2, H, D))[0].reshape(T, 2 * H, D)
+    tg.qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv)
+    ref_grad = torch.autograd.grad(ref, x, d_qk.double())[0]
     out.append(dict(shape=[T, H, D],
-                    fwd_rel_err=((qk.double() - ref.reshape(T, 2 * H, D)).abs().max() / ref.abs().max()).item(),
-                    rstd_rel_err=((rstd.double() - x.square().mean(-1).add(1.1920929e-07).rsqrt().reshape(T, 2 * H))
+                    fwd_rel_err=((qk.double() - ref).abs().max() / ref.abs().max()).item(),
+                    rstd_rel_err=((rstd.double() - x.square().mean(-1).add(1.1920929e-07).rsqrt())
                                   .abs().max() / rstd.double().abs().max()).item(),
                     bwd_rel_err=((d_qkv[:, :2 * H].double() - ref_grad).abs().max() / ref_grad.abs().max()).item(),
                     v_untouched=bool(d_qkv[:, 2 * H:].isnan().all()),
@@ -770,10 +801,12 @@ print(json.dumps(out))
 """
 
 
-def test_qk_norm_rope_kernels_match_float64_and_leave_the_v_heads_alone():
-    """Both Triton passes in the interpreter (fp32): the forward against the model's rotate(norm(x)) in float64
-    (YaRN-stretched tables, ragged last tile), the backward against float64 autograd, written into the q and k
-    heads of the qkv gradient only (the v heads are FlashAttention-4's to write)."""
+def test_qk_norm_rope_kernels_compute_rotary_of_norm_and_its_gradient():
+    """The Triton copy of the rotary math, pinned against the plain functions: qk_norm_rope's forward against
+    rotary(norm(x)) in float64 (YaRN-stretched tables, ragged last tile), its backward against float64 autograd of
+    the same, written into the q and k heads of the qkv gradient only (the v heads are FlashAttention-4's to write).
+    An edit of `rotary` or `norm` changes the fused attention's fingerprint (resolve_kernels refuses it); this test
+    is what says the kernel computes the functions that fingerprint was taken of."""
     rows = run_in_triton_interpreter(QK_NORM_ROPE_SCRIPT)
     assert len(rows) == 3
     for row in rows:
@@ -792,16 +825,17 @@ for dtype in (torch.float32, torch.float16):
         qkv = torch.randn(T, 3 * H, D, generator=g).to(dtype)
         ve = torch.randn(T, H, D, generator=g).to(dtype)
         v = tg.add_value_embedding(qkv, ve)
-        out.append(dict(case=[T, H, D, str(dtype)], equal=torch.equal(v, qkv[:, 2 * H:] + ve),
+        out.append(dict(case=[T, H, D, str(dtype)], equal=torch.equal(v, qkv.chunk(3, dim=1)[2] + ve),
                         contiguous=v.is_contiguous(), shape=list(v.shape)))
 print(json.dumps(out))
 """
 
 
-def test_value_embedding_pass_equals_pytorchs_strided_addition():
-    """The Triton pass adding ve to qkv's v heads (interpreter, fp32 and fp16): bit-identical to PyTorch's addition
-    of the strided view, written contiguous."""
+def test_value_embedding_pass_equals_the_plain_addition_of_the_strided_v_heads():
+    """The Triton pass adding ve to qkv's v heads (interpreter; fp32 and fp16: the interpreter's cast to bf16
+    truncates where GPUs round): bit-identical to the plain attention's `v + ve` on the strided view, written
+    contiguous."""
     rows = run_in_triton_interpreter(VALUE_EMBEDDING_SCRIPT)
     assert len(rows) == 6
     for row in rows:
-        assert row["equal"] and row["contiguous"] and row["shape"] == [row["case"][0], row["case"][1], row["case"][2]], row
+        assert row["equal"] and row["contiguous"] and row["shape"] == row["case"][:3], row

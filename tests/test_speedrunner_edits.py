@@ -1,0 +1,377 @@
+"""What a speedrunner's edits meet: `--kernels` picks each plain function or its fused twin, a fused kernel whose plain
+function was edited refuses to run with a message naming `--kernels plain`, and the four usual edits (an MLP
+activation, a gate, a schedule shape, orthogonalizer coefficients) train on the plain path (a tiny model on the CPU)
+while the fused path runs them or refuses them with that message."""
+import dataclasses
+import importlib.util
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import train_gpt as tg
+from processes import run_group
+from proxy_shards import build_shards
+
+PLAIN = {name: kernel.plain for name, kernel in tg.FUSED_KERNELS.items()}
+# 32 wide, one micro-batch of 64 tokens a step: a training step in well under a second on one CPU core
+TINY = ["--smoke", "--device", "cpu", "--seed", "0", "--model-dim", "32", "--num-heads", "2", "--head-dim", "16",
+        "--block-size", "16", "--train-max-seq-len", "64", "--train-bs-schedule", "64,64,64",
+        "--train-bs-extension", "64", "--val-batch-size", "64", "--val-tokens", "64"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # the tiny model's steps are launch-bound: on two shared cores one thread runs them several times faster than two
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("edits") / "data"
+    build_shards(folder, train_shards=1, tokens_per_train_shard=30_000, val_tokens=2_000)
+    return folder
+
+
+def tiny_args(data, tmp_path, *flags):
+    return tg.parse_args([*TINY, "--data-path", str(data), "--log-dir", str(tmp_path / "logs"), "--run-id", "edit",
+                          *flags])
+
+
+def build(args):
+    """The trainer run() builds, with one micro-batch a step (as on 8 GPUs): the same train_step, an eighth of the
+    CPU time."""
+    runtime = dataclasses.replace(tg.resolve_runtime(args, env={}), grad_accum_steps=1)
+    return tg.build_trainer(args, runtime, tg.log_path(args, args.run_id))
+
+
+def liven(model, seed=0):
+    """Small random values in the zero-initialised matrices (lm_head, output projections, gates) and the smear
+    lambda, so that the first step's gradients reach every parameter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if torch.count_nonzero(p) == 0:
+                p.copy_(torch.randn(p.shape, generator=g).mul(0.02))
+            elif name.endswith("qkvo_w"):
+                d = p.size(1)
+                p[3 * d:] = torch.randn(d, d, generator=g).mul(0.02)
+        model.scalars[5 * len(model.blocks)] = 0.3
+
+
+def train_steps(trainer, steps=2):
+    """`steps` training steps of the first stage (step 0: NorMuon; step 1: DistAdam and NorMuon). Returns the losses
+    and the names of the parameters they changed."""
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    stage = tg.stages(trainer.args)[0]
+    trainer.model.yarn.set_window(stage.ws_long)
+    batches = trainer.new_batches(stage.batch_size)
+    losses = [trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, 1).item() for step in range(steps)]
+    changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[name])}
+    return losses, changed
+
+
+def assert_trains(trainer, steps=2):
+    liven(trainer.model)
+    losses, changed = train_steps(trainer, steps)
+    assert all(math.isfinite(loss) for loss in losses), losses
+    assert changed == {name for name, _ in trainer.model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# --kernels: the plain functions, their fused twins, and the fingerprints that tie them
+# ----------------------------------------------------------------------------------------------------
+
+def test_on_the_cpu_kernels_fused_runs_every_plain_function_without_a_note():
+    assert tg.resolve_kernels("fused", "cpu", fp8=False) == (PLAIN, [])
+    assert tg.resolve_kernels("plain", "cpu", fp8=False) == (PLAIN, [])
+    runtime = tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu"]), env={})
+    assert runtime.kernels == PLAIN and runtime.kernel_notes == () and runtime.fused == "none"
+
+
+@pytest.mark.parametrize("name", list(tg.FUSED_KERNELS))
+def test_a_listed_fused_kernel_that_cannot_run_here_is_a_one_line_error_naming_it(name):
+    with pytest.raises(tg.ConfigError) as e:
+        tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--kernels", name]), env={})
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"--kernels: the fused {name} kernel cannot run here (RuntimeError: it needs a CUDA GPU)")
+    assert message.endswith("leave it out of --kernels or use --kernels plain")
+
+
+def test_kernels_takes_fused_plain_or_a_list_of_the_fused_kernels_names():
+    assert tg.parse_kernels("fused") == set(tg.FUSED_KERNELS) and tg.parse_kernels("plain") == set()
+    assert tg.parse_kernels("mlp, lm_head_loss") == {"mlp", "lm_head_loss"}
+    for bad in ("", "fa4", "mlp,fa4", ",", "Plain"):
+        assert tg.parse_kernels(bad) is None, bad
+    with pytest.raises(tg.ConfigError, match="--kernels must be fused, plain or a comma-separated list of attention, "
+                                             "mlp, attention_output, lm_head_loss; got 'mlp,fa4'"):
+        tg.parse_args(["--kernels", "mlp,fa4"])
+
+
+def test_a_kernels_request_that_cannot_run_exits_2_with_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = run_group([sys.executable, str(Path(tg.__file__)), "--smoke", "--device", "cpu", "--kernels", "mlp",
+                   "--check-flags"], cwd=tmp_path, env=dict(env, CUDA_VISIBLE_DEVICES=""), timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["error: --kernels: the fused mlp kernel cannot run here (RuntimeError: it needs a "
+                                     "CUDA GPU); leave it out of --kernels or use --kernels plain"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_pinned_fingerprints_are_those_of_the_current_plain_functions():
+    # The pinned value is the specification of what each fused kernel computes: the code of these plain functions,
+    # as they were when the kernel was last checked against them (the kernel tests in test_model.py, test_fp8.py and
+    # test_mlp_kernels.py compare each fused twin with its plain function). Changing a plain function is changing the
+    # specification: update the fused kernel, check it against the new function, then pin the new fingerprint.
+    for name, kernel in tg.FUSED_KERNELS.items():
+        assert kernel.plain in kernel.follows, name
+        assert tg.code_fingerprint(*kernel.follows) == kernel.fingerprint, name
+    assert [fn.__name__ for fn in tg.FUSED_KERNELS["attention"].follows] == ["attention", "rotary", "norm"]
+    assert [fn.__name__ for fn in tg.FUSED_KERNELS["lm_head_loss"].follows] == ["lm_head_loss", "softcap"]
+
+
+def load_module(path, source):
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_comment_docstring_or_layout_edit_keeps_the_fingerprint_and_a_code_edit_changes_it(tmp_path):
+    header = "import torch.nn.functional as F\nfrom torch import Tensor\n\n\n"
+    restyled = load_module(tmp_path / "restyled.py", header + (
+        "def mlp(x: Tensor, w_fc: Tensor,\n"
+        "        w_proj: Tensor) -> Tensor:\n"
+        "    '''Another docstring.'''\n"
+        "    # a comment, and the expression split over lines\n"
+        "    return (F.relu(F.linear(x, w_fc))\n"
+        "            .square() @ w_proj)\n"))
+    edited = load_module(tmp_path / "edited.py", header + (
+        "def mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:\n"
+        "    return F.gelu(F.linear(x, w_fc)) @ w_proj\n"))
+    assert tg.code_fingerprint(restyled.mlp) == tg.FUSED_KERNELS["mlp"].fingerprint
+    assert tg.code_fingerprint(edited.mlp) != tg.FUSED_KERNELS["mlp"].fingerprint
+
+
+@pytest.mark.parametrize("name", list(tg.FUSED_KERNELS))
+def test_an_edited_plain_function_makes_fused_and_a_list_naming_it_refuse_with_the_kernels_plain_message(
+        monkeypatch, name):
+    kernel = tg.FUSED_KERNELS[name]
+    monkeypatch.setitem(tg.FUSED_KERNELS, name, dataclasses.replace(kernel, fingerprint="000000000000"))
+    edited = ", ".join(fn.__name__ for fn in kernel.follows)
+    for requested in ("fused", name):
+        for device in ("cpu", "cuda"):  # checked before anything about this machine
+            with pytest.raises(tg.ConfigError) as e:
+                tg.resolve_kernels(requested, device, fp8=True)
+            message = str(e.value)
+            assert "\n" not in message
+            assert message.startswith(f"the fused {name} kernel computes {edited} as written when it was made, and "
+                                      f"that code has changed: run with --kernels plain"), message
+    assert tg.resolve_kernels("plain", "cpu", fp8=False) == (PLAIN, [])
+    others = [n for n in tg.FUSED_KERNELS if n != name]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for n in others:  # the other fused kernels stay available where they can run
+        monkeypatch.setitem(tg.FUSED_KERNELS, n, dataclasses.replace(tg.FUSED_KERNELS[n], check_here=lambda fp8: None))
+    chosen, notes = tg.resolve_kernels(",".join(others), "cuda", fp8=True)
+    assert chosen == dict({n: tg.FUSED_KERNELS[n].fused for n in others}, **{name: kernel.plain}) and notes == []
+
+
+def test_where_the_gpu_runs_every_fused_kernel_fused_chooses_them_all(monkeypatch):
+    for name, kernel in tg.FUSED_KERNELS.items():
+        monkeypatch.setitem(tg.FUSED_KERNELS, name, dataclasses.replace(kernel, check_here=lambda fp8: None))
+    chosen, notes = tg.resolve_kernels("fused", "cuda", fp8=True)
+    assert chosen == {name: kernel.fused for name, kernel in tg.FUSED_KERNELS.items()} and notes == []
+    assert chosen == {"attention": tg.fused_attention, "mlp": tg.fused_mlp,
+                      "attention_output": tg.fused_attention_output, "lm_head_loss": tg.fused_lm_head_loss}
+
+
+def test_where_the_gpu_cannot_run_a_fused_kernel_fused_keeps_its_plain_function_and_says_why(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    kernel = tg.FUSED_KERNELS["mlp"]
+    monkeypatch.setitem(tg.FUSED_KERNELS, "mlp", dataclasses.replace(kernel, check_here=lambda fp8: None))
+    chosen, notes = tg.resolve_kernels("fused", "cuda", fp8=False)  # the fused head is the FP8 one
+    assert chosen["mlp"] is tg.fused_mlp and chosen["lm_head_loss"] is tg.lm_head_loss
+    assert any(note.startswith("kernels: plain lm_head_loss (") and "--fp8" in note for note in notes), notes
+
+
+# ----------------------------------------------------------------------------------------------------
+# (a) a new MLP activation
+# ----------------------------------------------------------------------------------------------------
+
+def gelu_mlp(x, w_fc, w_proj):
+    """A speedrunner's edit of `mlp`: GELU instead of ReLU²."""
+    return F.gelu(F.linear(x, w_fc)) @ w_proj
+
+
+@pytest.fixture
+def edited_mlp(monkeypatch):
+    # What editing `def mlp` in train_gpt.py does: the module's mlp, the plain function FUSED_KERNELS holds and the
+    # code its fused kernel follows all become the new function; the pinned fingerprint stays the old one.
+    monkeypatch.setattr(tg, "mlp", gelu_mlp)
+    kernel = tg.FUSED_KERNELS["mlp"]
+    monkeypatch.setitem(tg.FUSED_KERNELS, "mlp", dataclasses.replace(kernel, plain=gelu_mlp, follows=(gelu_mlp,)))
+
+
+def test_a_new_mlp_activation_trains_with_kernels_plain_and_fused_refuses_it(edited_mlp, data, tmp_path):
+    for requested in ("fused", "mlp,lm_head_loss"):
+        with pytest.raises(tg.ConfigError, match=r"the fused mlp kernel computes gelu_mlp as written when it was made, "
+                                                 r"and that code has changed: run with --kernels plain"):
+            tg.resolve_runtime(tiny_args(data, tmp_path, "--kernels", requested), env={})
+    trainer = build(tiny_args(data, tmp_path, "--kernels", "plain"))
+    assert trainer.model.kernels["mlp"] is gelu_mlp
+    outputs = []
+
+    def check(module, inputs, out):
+        x = inputs[0]
+        outputs.append(torch.allclose(out, F.gelu(F.linear(x, module.c_fc.type_as(x))) @ module.c_proj.type_as(x)))
+
+    hooks = [block.mlp.register_forward_hook(check) for block in trainer.model.blocks if block.mlp is not None]
+    assert_trains(trainer)
+    for hook in hooks:
+        hook.remove()
+    assert len(outputs) == 2 * 11 and all(outputs)  # every MLP of both steps computed GELU
+    assert " kernels=plain fused=none " in trainer.log.path.read_text()
+
+
+# ----------------------------------------------------------------------------------------------------
+# (b) a new gate
+# ----------------------------------------------------------------------------------------------------
+
+class InputGatedAttention(tg.CausalSelfAttention):
+    """A speedrunner's new gate: a sigmoid per head and token, read off the first 12 channels of the block input as
+    attn_gate is, scaling that head's slice of the attention's input. `label` is what the edit passes to
+    set_optimizer_label (None: it forgot to)."""
+    label = None
+
+    def __init__(self, dim, num_heads, head_dim):
+        super().__init__(dim, num_heads, head_dim)
+        self.input_gate = nn.Linear(12, num_heads, bias=False)
+        nn.init.zeros_(self.input_gate.weight)
+        if self.label is not None:
+            tg.set_optimizer_label(self.input_gate.weight, self.label)
+
+    def forward(self, x, *rest):
+        T = x.size(0)
+        gate = 2 * torch.sigmoid(F.linear(x[:, :12], self.input_gate.weight))  # (T, heads): 1 at initialisation
+        return super().forward((x.view(T, self.num_heads, -1) * gate.unsqueeze(-1)).view(T, -1), *rest)
+
+
+def with_gate(monkeypatch, label):
+    monkeypatch.setattr(tg, "CausalSelfAttention", type("Edited", (InputGatedAttention,), dict(label=label)))
+
+
+def test_a_new_parameter_without_an_optimizer_label_is_an_error_naming_the_tables(monkeypatch, data, tmp_path):
+    with_gate(monkeypatch, None)
+    args = tiny_args(data, tmp_path)
+    with pytest.raises(tg.ConfigError) as e:
+        build(args)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("parameter blocks.1.attn.input_gate.weight has no optimizer label, which no optimizer "
+                              "takes: give it one with set_optimizer_label(), from NORMUON_LABEL_ORDER")
+    assert "DISTADAM_LABEL_ORDER" in message and "add a new label to one of those tables" in message
+    assert not tg.log_path(args, "edit").exists()  # a model that cannot be built writes no log
+
+
+def test_a_gate_named_parameter_with_a_label_that_is_not_a_gates_is_refused(monkeypatch, data, tmp_path):
+    with_gate(monkeypatch, "mlp")  # a NorMuon label, but one statistic per column for a wide (heads, 12) matrix
+    with pytest.raises(tg.ConfigError, match=r"parameter blocks\.1\.attn\.input_gate\.weight looks like a gate but "
+                                             r"its label 'mlp' is not in NORMUON_GATE_LABELS \('smear_gate', "
+                                             r"'attn_gate'\): add it there"):
+        build(tiny_args(data, tmp_path))
+
+
+@pytest.mark.parametrize("label", ["attn_gate", "input_gate"])
+def test_a_labelled_new_gate_trains_and_normuon_logs_how_it_groups_the_matrices(monkeypatch, data, tmp_path, label):
+    """A gate labelled attn_gate, or with a new label added to NORMUON_LABEL_ORDER and NORMUON_GATE_LABELS, trains
+    with the default --kernels fused (the gate sits outside every fused kernel), one second moment per row; the
+    matrices now differ from the record's, and NorMuon's grouping note, in the log, says how they are grouped."""
+    if label == "input_gate":
+        monkeypatch.setattr(tg, "NORMUON_LABEL_ORDER", tg.NORMUON_LABEL_ORDER + ("input_gate",))
+        monkeypatch.setattr(tg, "NORMUON_GATE_LABELS", tg.NORMUON_GATE_LABELS + ("input_gate",))
+    with_gate(monkeypatch, label)
+    trainer = build(tiny_args(data, tmp_path))
+    gates = [b.attn.input_gate.weight for b in trainer.model.blocks if b.attn is not None]
+    assert len(gates) == 10 and all(p.label == label for p in gates)
+    note = trainer.muon.grouping_note
+    assert note.startswith("NorMuon: the matrices differ from the record's (")
+    assert ("attn_gate 20" if label == "attn_gate" else "input_gate 10") in note  # the counts here
+    assert ("attn_gate (20)" if label == "attn_gate" else "input_gate (10)") in note  # and the groups
+    assert note in trainer.log.path.read_text().splitlines()
+    for group, layout in zip(trainer.muon.param_groups, trainer.muon._layout):
+        if any(p is gates[0] for p in group["params"]):
+            assert layout["reduce_dim"] == -1  # a gate's statistics: one per row
+    assert_trains(trainer)
+
+
+# ----------------------------------------------------------------------------------------------------
+# (c) a schedule shape
+# ----------------------------------------------------------------------------------------------------
+
+def test_a_four_stage_schedule_warms_up_and_trains_through_every_stage(data, tmp_path):
+    args = tiny_args(data, tmp_path, "--train-bs-schedule", "64,64,128,128", "--ws-schedule", "2,4,6,8",
+                     "--lr-plateaus", "1,1.2,1.4,1.5", "--lr-plateau-starts", "0,0.25,0.5,0.75",
+                     "--train-bs-extension", "128", "--ws-final", "10", "--ws-validate-post-yarn-ext", "12",
+                     "--num-scheduled-iterations", "8", "--num-extension-iterations", "1", "--val-loss-every", "0")
+    table = [(s.name, s.first_step, s.batch_size, s.ws_short, s.ws_long) for s in tg.stages(args)]
+    assert table == [("stage 1", 0, 64, 1, 2), ("stage 2", 2, 64, 2, 4), ("stage 3", 4, 128, 3, 6),
+                     ("stage 4", 6, 128, 4, 8), ("extension", 8, 128, 5, 10)]
+    trainer = build(args)
+    trainer.warm_up_kernels()
+    assert [label for label, _ in trainer.warm_up_times] == \
+        [f"train eager batch {bs} window {long}" for _, _, bs, _, long in table] + \
+        [f"eval windows {short},{long}" for short, long in [(1, 2), (2, 4), (3, 6), (4, 8), (5, 10), (5, 12)]]
+    result = trainer.train()
+    assert result.steps == 9 and math.isfinite(result.val_loss)
+    log = trainer.log.path.read_text().splitlines()
+    for name, first, bs, short, long in table:
+        assert any(line.startswith(f"schedule: step {first} {name}: batch {bs} windows ({short}, {long}) ")
+                   for line in log), name
+    assert log[-1].startswith("step:9/9 val_loss:")
+
+
+# ----------------------------------------------------------------------------------------------------
+# (d) new orthogonalizer coefficients
+# ----------------------------------------------------------------------------------------------------
+
+def test_turbo_muons_coefficients_are_polar_expresss_after_the_iterations_aol_replaces(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "2000")  # --help unwrapped
+    assert tg.TURBO_MUON_COEFFS == tg.POLAR_EXPRESS_COEFFS[tg.TURBO_SKIPPED_ITERATIONS:]
+    with pytest.raises(SystemExit):
+        tg.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (f"Polar Express ({len(tg.POLAR_EXPRESS_COEFFS)} steps) or Turbo-Muon (AOL-preconditioned, "
+            f"{len(tg.TURBO_MUON_COEFFS)} steps)") in text
+
+
+def test_new_orthogonalizer_coefficients_reach_both_orthogonalizers_help_and_a_training_step(
+        monkeypatch, capsys, data, tmp_path):
+    monkeypatch.setenv("COLUMNS", "2000")  # --help unwrapped
+    # Editing POLAR_EXPRESS_COEFFS in train_gpt.py changes Turbo-Muon's table too (it is derived at import): one more
+    # iteration, the quintic p(s) = 1.875s - 1.25s³ + 0.375s⁵ that pulls every singular value towards 1.
+    coeffs = tg.POLAR_EXPRESS_COEFFS + ((1.875, -1.25, 0.375),)
+    G = torch.randn(6, 32, 96, generator=torch.Generator().manual_seed(0))
+    before = [torch.linalg.svdvals(tg.polar_express(G, turbo).double()) for turbo in (False, True)]
+    monkeypatch.setattr(tg, "POLAR_EXPRESS_COEFFS", coeffs)
+    monkeypatch.setattr(tg, "TURBO_MUON_COEFFS", coeffs[tg.TURBO_SKIPPED_ITERATIONS:])
+    after = [torch.linalg.svdvals(tg.polar_express(G, turbo).double()) for turbo in (False, True)]
+    for old, new in zip(before, after):
+        assert (old - 1).abs().max() > 0.05 and (new - 1).abs().max() < 0.02
+    with pytest.raises(SystemExit):
+        tg.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Polar Express (6 steps) or Turbo-Muon (AOL-preconditioned, 5 steps)" in help_text
+    for orthogonalizer in ("polar", "turbo"):
+        trainer = build(tiny_args(data, tmp_path, "--orthogonalizer", orthogonalizer, "--run-id", orthogonalizer))
+        assert trainer.muon.turbo == (orthogonalizer == "turbo")
+        assert_trains(trainer)
