@@ -674,9 +674,8 @@ def attention_reference(q, k, v, cu_seqlens, max_seqlen, window_table, window_ro
         out[start:end] = (scores.softmax(dim=-1) @ vd).transpose(0, 1).to(q.dtype)
     return out
 
-# PyTorch's FlashAttention-2 varlen kernels (the ones behind torch.nn.attention.varlen.varlen_attn) behind our own
-# custom op, so that the window and the scale are read from a CPU tensor when the op runs instead of being baked
-# into the graph. Window (w, 0) = causal, at most w earlier tokens of the same document.
+# PyTorch's FlashAttention-2 varlen kernels (torch.nn.attention.varlen's) behind our own op, which reads the window
+# and the scale from the CPU table when it runs instead of baking them into the graph.
 @torch.library.custom_op("speedrun::flash_varlen", mutates_args=())
 def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
                  window_row: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -1727,7 +1726,7 @@ def fused_attention_output(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
 # A speedrunner edits the plain functions. Each fused kernel computes what its plain function computed when the
 # kernel was written, recorded as a fingerprint of that function's code (and of the plain helpers it follows): an
 # edit changes the fingerprint, and the fused kernel then refuses to run instead of silently ignoring the edit.
-# Constants the kernels take as arguments (SOFTCAP, SOFTCAP_WIDTH, the Yarn tables) may change freely.
+# Constants the kernels take as arguments (SOFTCAP up to 60, SOFTCAP_WIDTH, the Yarn tables) may change freely.
 
 def code_fingerprint(*functions) -> str:
     """A short hash of the functions' code without docstrings and comments (ast.unparse normalises the layout)."""
@@ -1743,6 +1742,8 @@ def code_fingerprint(*functions) -> str:
 def needs_cuda_triton(fp8: bool = True):
     if triton is None or not torch.cuda.is_available() or not fp8:
         raise RuntimeError("it is the FP8 head's Triton kernels: it needs a CUDA GPU and FP8 on (--fp8)")
+    if not 0 < SOFTCAP <= 60:  # its log-sum-exp skips the max pass: 50304·e^SOFTCAP must fit fp32
+        raise RuntimeError(f"its log-sum-exp has no max pass and overflows fp32 past SOFTCAP 60 (it is {SOFTCAP})")
 
 @dataclass(frozen=True)
 class FusedKernel:
@@ -1753,12 +1754,13 @@ class FusedKernel:
     check_here: object     # check_here(fp8) raises where the fused kernel cannot run (no GPU, library missing)
 
 FUSED_KERNELS = {
-    "attention": FusedKernel(attention, fused_attention, (attention, rotary, norm), "76093bf9db96",
+    "attention": FusedKernel(attention, fused_attention, (attention, rotary, norm, flash_attention, scale_and_window),
+                             "beb42ed1db10",
                              lambda fp8: fa4_on_this_gpu()),
     "mlp": FusedKernel(mlp, fused_mlp, (mlp,), "20ac2a6cca4e", lambda fp8: quack_on_this_gpu()),
     "attention_output": FusedKernel(attention_output, fused_attention_output, (attention_output,), "996f8d18f3cd",
                                     lambda fp8: quack_on_this_gpu()),
-    "lm_head_loss": FusedKernel(lm_head_loss, fused_lm_head_loss, (lm_head_loss, softcap), "f08ea5308c01",
+    "lm_head_loss": FusedKernel(lm_head_loss, fused_lm_head_loss, (lm_head_loss, softcap, lm_head_fp8), "711468e47622",
                                 needs_cuda_triton),
 }
 
@@ -1790,7 +1792,8 @@ def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]
         except Exception as e:
             if explicit:
                 raise ConfigError(f"--kernels: the fused {name} kernel cannot run here ({type(e).__name__}: {e}); "
-                                  f"leave it out of --kernels or use --kernels plain") from None
+                                  f"leave it out of --kernels, use --kernels plain, or ./run.sh setup-gpu for "
+                                  f"FlashAttention-4 and quack") from None
             if device == "cuda":
                 notes.append(f"kernels: plain {name} ({e})")
             continue
@@ -2021,8 +2024,7 @@ class DataExhausted(RuntimeError):
 class BOSFinder:
     """BOS-aligned per-rank batches of one shard (documents cut at max_seq_len, a rank's last where it has L+1 tokens),
     all ranks' from one shared cursor in rank order, so every process sees the same cut."""
-    QUICK_SCAN_TOKENS = 4_000_000
-    QUICK_SCAN_BATCHES = 5
+    QUICK_SCAN_TOKENS, QUICK_SCAN_BATCHES = 4_000_000, 5
 
     def __init__(self, tokens: Tensor, world_size: int, quickload: bool = False):
         self.tokens, self.world_size, self.i = tokens, world_size, 0
@@ -2440,8 +2442,7 @@ class MicroBatchGraphs:
         self.replays += 1
 
 class BatchStream:
-    """Thin wrapper over the data generator so callers need not prime it with next()."""
-
+    """The data generator, primed on first use."""
     def __init__(self, generator):
         self.generator, self.started = generator, False
 
