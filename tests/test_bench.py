@@ -57,8 +57,8 @@ def test_mfu_formula():
 
 
 def test_bench_args_are_the_trainers_flags_with_the_benchmarks_data():
-    args = bench.bench_args(Path("/tmp/bench_data"), seed=7, train_flags=["--attn-backend", "varlen", "--fp8", "off"])
-    assert (args.attn_backend, args.fp8, args.seed, args.data_path) == ("varlen", "off", 7, "/tmp/bench_data")
+    args = bench.bench_args(Path("/tmp/bench_data"), seed=7, train_flags=["--kernels", "plain", "--fp8", "off"])
+    assert (args.kernels, args.fp8, args.seed, args.data_path) == ("plain", "off", 7, "/tmp/bench_data")
     assert args.train_bs_schedule == tg.Hyperparameters().train_bs_schedule
     with pytest.raises(tg.ConfigError, match="--orthogonalizer"):
         bench.bench_args(Path("/tmp/bench_data"), seed=7, train_flags=["--orthogonalizer", "newton"])
@@ -137,14 +137,14 @@ def test_profile_summary_says_none_when_the_step_never_waits():
     assert "host waits (CUDA runtime calls that block the CPU): none" in bench.summarize_profile(prof, "fake")
 
 
-def test_format_table_reports_the_backend_and_host_syncs():
+def test_format_table_reports_the_fused_kernels_and_host_syncs():
     stages = [dict(name="stage 1", tokens_per_step=131072, windows="128,384", median_ms=250.0, tokens_per_s=5e5,
                    mfu=0.5, peak_allocated_gib=20.0, reference_ms=274.0)]
-    result = dict(stages=stages, matmul_params=114_130_944, bf16_peak_tflops=800.0, attn_backend="fa4",
+    result = dict(stages=stages, matmul_params=114_130_944, bf16_peak_tflops=800.0, fused="attention,mlp",
                   cold_start=dict(this_process_s=100.0, warm_up_s=90.0, cache_present_at_start=False,
                                   cache_mb_after=150.0),
                   host_syncs_in_a_stage3_step=dict(count=0, first=[]))
-    assert "attention fa4; synchronising CUDA calls in a stage-3 step: 0" in bench.format_table(result)
+    assert "fused kernels attention,mlp; synchronising CUDA calls in a stage-3 step: 0" in bench.format_table(result)
 
 
 def test_host_time_by_op_ranks_the_ops_that_cost_the_cpu_most():

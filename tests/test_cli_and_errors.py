@@ -52,7 +52,7 @@ def test_help_gives_each_flag_its_description_default_and_allowed_values(tmp_pat
     assert "--orthogonalizer {polar,turbo}" in text and "--kernels TEXT" in text
     # help strings that quote tables defined further down in the file are made when --help is printed
     assert "Polar Express (5 steps) or Turbo-Muon (AOL-preconditioned, 4 steps)" in text
-    assert "or a list of attention,mlp,attention_output,lm_head_loss (default: fused)" in text
+    assert "or a list: attention,mlp,attention_output,lm_head_loss (default: fused)" in text
     assert "unseeded, like the record (default: -1)" in text
     assert "(default: None)" not in text and "lambda" not in text
 
