@@ -104,7 +104,8 @@ def test_a_listed_fused_kernel_that_cannot_run_here_is_a_one_line_error_naming_i
     message = str(e.value)
     assert "\n" not in message
     assert message.startswith(f"--kernels: the fused {name} kernel cannot run here (RuntimeError: it needs a CUDA GPU)")
-    assert message.endswith("leave it out of --kernels or use --kernels plain")
+    assert message.endswith("leave it out of --kernels, use --kernels plain, or ./run.sh setup-gpu for "
+                            "FlashAttention-4 and quack")
 
 
 def test_kernels_takes_fused_plain_or_a_list_of_the_fused_kernels_names():
@@ -123,7 +124,8 @@ def test_a_kernels_request_that_cannot_run_exits_2_with_one_line(tmp_path):
                    "--check-flags"], cwd=tmp_path, env=dict(env, CUDA_VISIBLE_DEVICES=""), timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == ["error: --kernels: the fused mlp kernel cannot run here (RuntimeError: it needs a "
-                                     "CUDA GPU); leave it out of --kernels or use --kernels plain"]
+                                     "CUDA GPU); leave it out of --kernels, use --kernels plain, or ./run.sh "
+                                     "setup-gpu for FlashAttention-4 and quack"]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -135,8 +137,10 @@ def test_the_pinned_fingerprints_are_those_of_the_current_plain_functions():
     for name, kernel in tg.FUSED_KERNELS.items():
         assert kernel.plain in kernel.follows, name
         assert tg.code_fingerprint(*kernel.follows) == kernel.fingerprint, name
-    assert [fn.__name__ for fn in tg.FUSED_KERNELS["attention"].follows] == ["attention", "rotary", "norm"]
-    assert [fn.__name__ for fn in tg.FUSED_KERNELS["lm_head_loss"].follows] == ["lm_head_loss", "softcap"]
+    assert [fn.__name__ for fn in tg.FUSED_KERNELS["attention"].follows] == ["attention", "rotary", "norm",
+                                                                              "flash_attention", "scale_and_window"]
+    assert [fn.__name__ for fn in tg.FUSED_KERNELS["lm_head_loss"].follows] == ["lm_head_loss", "softcap",
+                                                                                 "lm_head_fp8"]
 
 
 def load_module(path, source):
@@ -375,3 +379,14 @@ def test_new_orthogonalizer_coefficients_reach_both_orthogonalizers_help_and_a_t
         trainer = build(tiny_args(data, tmp_path, "--orthogonalizer", orthogonalizer, "--run-id", orthogonalizer))
         assert trainer.muon.turbo == (orthogonalizer == "turbo")
         assert_trains(trainer)
+
+
+def test_the_fused_head_refuses_a_softcap_its_log_sum_exp_cannot_hold(monkeypatch):
+    # The fused forward sums exp(SOFTCAP * s) over 50304 logits without a max pass: past SOFTCAP 60 that sum can
+    # overflow fp32, so the fused head refuses, and --kernels fused falls back to (or a list names) the plain head.
+    monkeypatch.setattr(tg.torch.cuda, "is_available", lambda: True)
+    check = tg.FUSED_KERNELS["lm_head_loss"].check_here
+    check(True)  # the record's SOFTCAP 30 runs
+    monkeypatch.setattr(tg, "SOFTCAP", 100.0)
+    with pytest.raises(RuntimeError, match="overflows fp32 past SOFTCAP 60 \\(it is 100.0\\)"):
+        check(True)
