@@ -52,7 +52,10 @@ def run_one(s, side: str, pair: int, lane_no: int, lane) -> dict:
     out, log = s.out / f"{name}.json", s.out / f"{name}.log"
     cmd = getattr(s.args, side).replace("{out}", shlex.quote(str(out)))
     folder = getattr(s.args, f"{side}_dir")
+    # Lanes side by side: one OpenMP thread each, as torchrun gives every rank of a multi-GPU run (with a thread per
+    # core in each, four W=1 runs on one host were host-bound at stage 3).
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": lane} if lane is not None else {}))
+    env.setdefault("OMP_NUM_THREADS", "1")
     with s.lock:
         run = dict(name=name, side=side, pair=pair, order=len(s.runs), lane=lane_no, cuda_visible_devices=lane,
                    command=cmd, dir=folder, started=iso(), log=log.name)

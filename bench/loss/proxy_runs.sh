@@ -50,6 +50,9 @@ done
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# One OpenMP thread, as torchrun gives each rank of a multi-GPU run: runs side by side on one host were host-bound
+# at stage 3 with a thread per core each.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 [ -f "$script" ] || { echo "proxy_runs.sh: no script $script" >&2; exit 2; }
 mkdir -p "$out/$label"
 
