@@ -94,7 +94,30 @@ def pytest_configure(config):
         # crashed (xdist hands it the rest of that file), crash again, and so on, 4 times per worker.
         if config.option.maxworkerrestart is None:
             config.option.maxworkerrestart = "0"
+        config.option.loadscopereorder = False  # files go out in the order of SLOW_FILES_FIRST (below)
         config.pluginmanager.register(CrashStop(config), "speedrun-crash-stop")
+
+
+# With --dist loadfile (run.sh), a worker that takes a long file last keeps the suite waiting while the other core
+# idles. The files below (the slowest, slowest first; seconds on 2 busy cores, natively) are started before the
+# rest, which follow in collection order; xdist's own ordering, by the number of tests in a file, is turned off.
+SLOW_FILES_FIRST = (
+    "test_smoke_e2e.py",       # 180: the 2-process smoke run
+    "test_cuda_graphs.py",     # 80: the two-rank graph checks
+    "test_run_sh.py",          # 70: ./run.sh launch, for real
+    "test_compile_cache.py",   # 70: fresh processes that compile
+    "test_model.py",           # 65: compiled graphs
+    "test_records.py",         # 60
+    "test_triton_kernels.py",  # 55: the Triton interpreter
+    "test_fp8.py",             # 50
+    "test_suite_guards.py",    # 50: planted suites
+    "test_run_guards.py",      # 40: four trainers side by side
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 def pytest_report_header(config):

@@ -1,6 +1,13 @@
-"""Command line (every Hyperparameters field is a flag), import hygiene, and one-line user errors."""
+"""Command line (every Hyperparameters field is a flag), import hygiene, and one-line user errors.
+
+Bad input is mostly checked through train_gpt.main() in this process (the `main` fixture: milliseconds each, where a
+child process costs seconds of importing torch); each kind of refusal also runs once as a user meets it, as
+`python train_gpt.py ...` (a bad flag, a missing data folder, --help) and under torchrun (a bad shard), so that the
+process's exit status and its one line on stderr stay pinned.
+"""
 import dataclasses
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -31,21 +38,66 @@ def run_script(args, cwd, env=None, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def main(capsys, monkeypatch, tmp_path):
+    """main(argv, **env) -> (exit status, stdout, stderr) of train_gpt.main(argv) in this process, as run_script(argv)
+    runs the script: the launcher's variables unset unless given in env, the working folder tmp_path. main() installs
+    its own SIGINT and SIGTERM handlers: pytest's are put back; monkeypatch restores the environment and the folder."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.chdir(tmp_path)
+
+    def call(argv, **env):
+        for k in LAUNCHER_ENV:
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        capsys.readouterr()
+        try:
+            status = tg.main(argv)
+        finally:
+            for s, handler in saved.items():
+                signal.signal(s, handler)
+        out = capsys.readouterr()
+        return status, out.out, out.err
+    return call
+
+
+def refused(result, *words) -> str:
+    """An in-process main() result: exit 2, nothing on stdout, one `error:` line on stderr holding every word."""
+    status, out, err = result
+    assert status == 2, result
+    assert out == "", out
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
 # ----------------------------------------------------------------------------------------------------
 # --help and parse_args
 # ----------------------------------------------------------------------------------------------------
 
-def test_help_lists_every_field(tmp_path):
-    r = run_script(["--help"], cwd=tmp_path)
+@pytest.fixture(scope="module")
+def help_run(tmp_path_factory):
+    """`python train_gpt.py --help`, once for the module, in an empty folder (COLUMNS wide: no wrapping inside words)."""
+    folder = tmp_path_factory.mktemp("help")
+    return folder, run_script(["--help"], cwd=folder, env=child_env(COLUMNS="2000"))
+
+
+def test_help_lists_every_field(help_run):
+    folder, r = help_run
     assert r.returncode == 0, r.stderr
     for f in dataclasses.fields(tg.Hyperparameters):
         assert "--" + f.name.replace("_", "-") in r.stdout, f.name
-    assert list(tmp_path.iterdir()) == []
+    assert list(folder.iterdir()) == []
 
 
-def test_help_gives_each_flag_its_description_default_and_allowed_values(tmp_path):
-    r = run_script(["--help"], cwd=tmp_path, env=child_env(COLUMNS="2000"))  # no wrapping inside words
-    text = " ".join(r.stdout.split())
+def test_help_gives_each_flag_its_description_default_and_allowed_values(help_run):
+    text = " ".join(help_run[1].stdout.split())
     for f in dataclasses.fields(tg.Hyperparameters):
         assert tg.help_text(f), f"{f.name} has no --help text"
         assert " ".join(tg.help_text(f).split()) in text, f.name
@@ -61,10 +113,17 @@ def test_help_gives_each_flag_its_description_default_and_allowed_values(tmp_pat
                                        (["--seed", "one"], "--seed"),
                                        (["--save-checkpoint", "maybe"], "--save-checkpoint"),
                                        (["--no-such-flag"], "--no-such-flag")])
-def test_bad_flag_value_is_one_line_naming_the_flag_with_exit_2(tmp_path, argv, flag):
-    r = run_script(argv, cwd=tmp_path)
-    line = assert_one_line_error(r, flag)
-    assert "lambda" not in line and "usage:" not in r.stderr
+def test_bad_flag_value_is_one_line_naming_the_flag_with_exit_2(main, argv, flag):
+    line = refused(main(argv), flag)
+    assert "lambda" not in line and "usage:" not in line
+
+
+def test_the_script_refuses_a_bad_flag_value_in_one_line_with_exit_2(tmp_path):
+    """The same, as a user meets it: argparse's usage and exit go through the script's one-line error path."""
+    r = run_script(["--seed", "one"], cwd=tmp_path)
+    line = assert_one_line_error(r, "--seed")
+    assert "lambda" not in line and "usage:" not in r.stderr and r.stdout == ""
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_parse_args_defaults_are_the_record():
@@ -201,150 +260,143 @@ def assert_one_line_error(r, *words):
     return lines[0]
 
 
+# A run small enough to start training in seconds: one stage (plus the extension), 16-token micro-batches
+TINY = ["--smoke", "--device", "cpu", "--model-dim", "64", "--num-heads", "1", "--train-bs-schedule", "128",
+        "--ws-schedule", "3", "--lr-plateaus", "1", "--lr-plateau-starts", "0", "--train-bs-extension", "128",
+        "--train-max-seq-len", "64", "--val-tokens", "128", "--val-batch-size", "128", "--val-loss-every", "0",
+        "--num-scheduled-iterations", "4", "--num-extension-iterations", "0"]
+
+
 def smoke_args(data, tmp_path, *extra):
     return ["--smoke", "--device", "cpu", "--data-path", str(data), "--log-dir", str(tmp_path / "logs"), *extra]
 
 
 def test_error_missing_data_folder(tmp_path):
+    """As a user meets it: `python train_gpt.py` exits 2 with one line and writes nothing."""
     r = run_script(smoke_args(tmp_path / "missing", tmp_path), cwd=tmp_path)
     assert_one_line_error(r, str(tmp_path / "missing"), "does not exist")
+    assert r.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_error_empty_data_folder(main, tmp_path):
+    (tmp_path / "empty").mkdir()
+    refused(main(smoke_args(tmp_path / "empty", tmp_path)), "no training shards")
     assert not (tmp_path / "logs").exists()
 
 
-def test_error_empty_data_folder(tmp_path):
-    (tmp_path / "empty").mkdir()
-    r = run_script(smoke_args(tmp_path / "empty", tmp_path), cwd=tmp_path)
-    assert_one_line_error(r, "no training shards")
-
-
-def test_error_no_validation_shard(tmp_path, good_data):
+def test_error_no_validation_shard(main, tmp_path, good_data):
     data = copy_data(good_data, tmp_path / "d")
     (data / "fineweb_val_000000.bin").unlink()
-    r = run_script(smoke_args(data, tmp_path), cwd=tmp_path)
-    assert_one_line_error(r, "no validation shards")
+    refused(main(smoke_args(data, tmp_path)), "no validation shards")
 
 
-def test_error_corrupt_shard_bad_magic(tmp_path, good_data):
+def test_error_corrupt_shard_bad_magic(main, tmp_path, good_data):
     data = copy_data(good_data, tmp_path / "d")
     bad = data / "fineweb_train_000002.bin"
     raw = bytearray(bad.read_bytes())
     raw[0:4] = np.array([12345], dtype="<i4").tobytes()
     bad.write_bytes(bytes(raw))
-    r = run_script(smoke_args(data, tmp_path), cwd=tmp_path)
-    assert_one_line_error(r, str(bad), "magic")
+    refused(main(smoke_args(data, tmp_path)), str(bad), "magic")
 
 
-def test_error_truncated_shard(tmp_path, good_data):
+def test_error_truncated_shard(main, tmp_path, good_data):
     data = copy_data(good_data, tmp_path / "d")
     bad = data / "fineweb_train_000001.bin"
     bad.write_bytes(bad.read_bytes()[:-1000])
-    r = run_script(smoke_args(data, tmp_path), cwd=tmp_path)
-    assert_one_line_error(r, str(bad), "truncated")
+    refused(main(smoke_args(data, tmp_path)), str(bad), "truncated")
+    assert not (tmp_path / "logs").exists()
 
 
-def test_error_shard_shorter_than_header_odd_size(tmp_path, good_data):
+def test_error_shard_shorter_than_header_odd_size(main, tmp_path, good_data):
     data = copy_data(good_data, tmp_path / "d")
     bad = data / "fineweb_train_000001.bin"
     bad.write_bytes(bad.read_bytes()[:1001])
-    r = run_script(smoke_args(data, tmp_path), cwd=tmp_path)
-    assert_one_line_error(r, str(bad), "header")
+    refused(main(smoke_args(data, tmp_path)), str(bad), "header")
 
 
-def test_error_too_little_training_data(tmp_path):
+def test_error_too_little_training_data(main, tmp_path):
     build_shards(tmp_path / "d", train_shards=1, tokens_per_train_shard=20_000, val_tokens=10_000)
-    r = run_script(smoke_args(tmp_path / "d", tmp_path), cwd=tmp_path)
-    assert_one_line_error(r, "too little training data", "--train-epochs")
+    refused(main(smoke_args(tmp_path / "d", tmp_path)), "too little training data", "--train-epochs")
 
 
-def test_error_validation_shard_too_small(tmp_path):
+def test_error_validation_shard_too_small(main, tmp_path):
     build_shards(tmp_path / "d", train_shards=2, tokens_per_train_shard=100_000, val_tokens=3_000)  # < --val-tokens
-    r = run_script(smoke_args(tmp_path / "d", tmp_path), cwd=tmp_path)
-    assert_one_line_error(r, "--val-tokens")
+    refused(main(smoke_args(tmp_path / "d", tmp_path)), "--val-tokens")
 
 
-def test_error_val_tokens_not_multiple(tmp_path, good_data):
-    r = run_script(smoke_args(good_data, tmp_path, "--val-tokens", "5000"), cwd=tmp_path)
-    assert_one_line_error(r, "--val-tokens", "--val-batch-size")
+def test_error_val_tokens_not_multiple(main, tmp_path, good_data):
+    refused(main(smoke_args(good_data, tmp_path, "--val-tokens", "5000")), "--val-tokens", "--val-batch-size")
 
 
-def test_error_device_cuda_without_cuda(tmp_path, good_data):
-    import torch
+def test_error_device_cuda_without_cuda(main, tmp_path, good_data):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     args = smoke_args(good_data, tmp_path)
     args[args.index("cpu")] = "cuda"
-    r = run_script(args, cwd=tmp_path)
-    assert_one_line_error(r, "CUDA")
+    refused(main(args), "CUDA")
 
 
-def test_error_unsupported_world_size(tmp_path, good_data):
+def test_error_unsupported_world_size(main, tmp_path, good_data):
     # RANK/WORLD_SIZE set without a real launcher: the world size is rejected before any process group
-    r = run_script(smoke_args(good_data, tmp_path), cwd=tmp_path,
-                   env=child_env(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0"))
-    assert_one_line_error(r, "world size 3")
+    refused(main(smoke_args(good_data, tmp_path), RANK="0", WORLD_SIZE="3", LOCAL_RANK="0"), "world size 3")
 
 
-def test_unsupported_world_size_on_cpu_speaks_of_processes_not_gpus(tmp_path, good_data):
-    r = run_script(smoke_args(good_data, tmp_path), cwd=tmp_path, env=child_env(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0"))
-    line = assert_one_line_error(r, "world size 3", "processes")
+def test_unsupported_world_size_on_cpu_speaks_of_processes_not_gpus(main, tmp_path, good_data):
+    line = refused(main(smoke_args(good_data, tmp_path), RANK="0", WORLD_SIZE="3", LOCAL_RANK="0"),
+                   "world size 3", "processes")
     assert "GPU" not in line
 
 
-def test_check_validates_settings_and_data_without_training(tmp_path, good_data):
-    r = run_script(smoke_args(good_data, tmp_path, "--check"), cwd=tmp_path, env=child_env(WORLD_SIZE="2"))
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("check: ok: 2 process(es) on cpu")
+def test_check_validates_settings_and_data_without_training(main, tmp_path, good_data):
+    status, out, err = main(smoke_args(good_data, tmp_path, "--check"), WORLD_SIZE="2")
+    assert status == 0, err
+    assert out.startswith("check: ok: 2 process(es) on cpu")
     assert not (tmp_path / "logs").exists()
-    bad = run_script(smoke_args(tmp_path / "missing", tmp_path, "--check"), cwd=tmp_path)
-    assert_one_line_error(bad, "does not exist")
+    refused(main(smoke_args(tmp_path / "missing", tmp_path, "--check")), "does not exist")
 
 
-def test_a_log_dir_that_is_a_file_is_one_line_before_anything_is_written_and_check_catches_it(tmp_path, good_data):
+def test_a_log_dir_that_is_a_file_is_one_line_before_anything_is_written_and_check_catches_it(main, tmp_path,
+                                                                                               good_data):
     taken = tmp_path / "taken"
     taken.write_text("not a folder")
-    for extra, env in (((), None), (("--check",), child_env(WORLD_SIZE="2"))):
+    for extra, env in (((), {}), (("--check",), dict(WORLD_SIZE="2"))):
         args = smoke_args(good_data, tmp_path, *extra)
         args[args.index("--log-dir") + 1] = str(taken / "logs")
-        r = run_script(args, cwd=tmp_path, env=env)
-        assert_one_line_error(r, str(taken), "is a file")
+        refused(main(args, **env), str(taken), "is a file")
     assert taken.read_text() == "not a folder"
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc, where no one may write (root neither)")
-def test_an_unwritable_log_dir_is_one_line_and_check_catches_it(tmp_path, good_data):
+def test_an_unwritable_log_dir_is_one_line_and_check_catches_it(main, tmp_path, good_data):
     for extra in ((), ("--check",)):
         args = smoke_args(good_data, tmp_path, *extra)
         args[args.index("--log-dir") + 1] = "/proc/speedrun-logs"
-        r = run_script(args, cwd=tmp_path)
-        assert_one_line_error(r, "/proc/speedrun-logs", "cannot write")
+        refused(main(args), "/proc/speedrun-logs", "cannot write")
 
 
-def test_the_cpu_fallback_of_a_smoke_run_is_noted_once_and_help_says_when_it_happens(tmp_path, good_data):
+def test_the_cpu_fallback_of_a_smoke_run_is_noted_once_and_help_says_when_it_happens(main, tmp_path, good_data):
     assert "else the CPU for --smoke" in tg.help_text(tg.Hyperparameters.__dataclass_fields__["device"])
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     args = smoke_args(good_data, tmp_path, "--check")
     args.remove("--device"), args.remove("cpu")
-    r = run_script(args, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert r.stderr.count("no CUDA device found") == 1, r.stderr
-    explicit = run_script(smoke_args(good_data, tmp_path, "--check"), cwd=tmp_path)
-    assert "no CUDA device" not in explicit.stderr
+    status, out, err = main(args)
+    assert status == 0, err
+    assert err.count("no CUDA device found") == 1, err
+    status, out, err = main(smoke_args(good_data, tmp_path, "--check"))
+    assert status == 0 and "no CUDA device" not in err
 
 
-def test_check_flags_validates_settings_before_any_data_exists(tmp_path):
+def test_check_flags_validates_settings_before_any_data_exists(main, tmp_path):
     """What ./run.sh runs before downloading FineWeb: flags and world size only, so a typo costs no download."""
-    r = run_script(smoke_args(tmp_path / "not_downloaded_yet", tmp_path, "--check-flags"), cwd=tmp_path,
-                   env=child_env(WORLD_SIZE="2"))
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("check: ok: 2 process(es) on cpu") and "data not checked" in r.stdout
+    status, out, err = main(smoke_args(tmp_path / "not_downloaded_yet", tmp_path, "--check-flags"), WORLD_SIZE="2")
+    assert status == 0, err
+    assert out.startswith("check: ok: 2 process(es) on cpu") and "data not checked" in out
     assert not (tmp_path / "logs").exists()
-    bad = run_script(smoke_args(tmp_path / "not_downloaded_yet", tmp_path, "--check-flags", "--orthogonalizer",
-                                "newton"), cwd=tmp_path)
-    assert_one_line_error(bad, "--orthogonalizer")
-    odd = run_script(smoke_args(tmp_path / "not_downloaded_yet", tmp_path, "--check-flags"), cwd=tmp_path,
-                     env=child_env(WORLD_SIZE="3"))
-    assert_one_line_error(odd, "world size 3")
+    refused(main(smoke_args(tmp_path / "not_downloaded_yet", tmp_path, "--check-flags", "--orthogonalizer", "newton")),
+            "--orthogonalizer")
+    refused(main(smoke_args(tmp_path / "not_downloaded_yet", tmp_path, "--check-flags"), WORLD_SIZE="3"),
+            "world size 3")
 
 
 def test_under_torchrun_a_bad_shard_is_reported_once_by_rank_0_and_workers_exit_2(tmp_path, good_data):
@@ -361,14 +413,14 @@ def test_under_torchrun_a_bad_shard_is_reported_once_by_rank_0_and_workers_exit_
     assert not (tmp_path / "logs").exists()
 
 
-def test_error_bad_orthogonalizer(tmp_path, good_data):
-    r = run_script(smoke_args(good_data, tmp_path, "--orthogonalizer", "newton-schulz"), cwd=tmp_path)
-    assert_one_line_error(r, "--orthogonalizer", "newton-schulz")
+def test_error_bad_orthogonalizer(main, tmp_path, good_data):
+    refused(main(smoke_args(good_data, tmp_path, "--orthogonalizer", "newton-schulz")), "--orthogonalizer",
+            "newton-schulz")
 
 
-def test_a_fused_kernel_named_in_kernels_that_cannot_run_here_is_one_line(tmp_path, good_data):
-    r = run_script(smoke_args(good_data, tmp_path, "--kernels", "mlp,attention"), cwd=tmp_path)
-    assert_one_line_error(r, "--kernels", "fused attention kernel cannot run here", "--kernels plain")
+def test_a_fused_kernel_named_in_kernels_that_cannot_run_here_is_one_line(main, tmp_path, good_data):
+    refused(main(smoke_args(good_data, tmp_path, "--kernels", "mlp,attention")), "--kernels",
+            "fused attention kernel cannot run here", "--kernels plain")
     assert not (tmp_path / "logs").exists()
 
 
@@ -390,17 +442,14 @@ def test_kernels_fused_takes_the_plain_functions_on_the_cpu_and_a_list_must_run_
         tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--kernels", "lm_head_loss"]), env={})
 
 
-def test_error_compile_on_the_cpu(tmp_path, good_data):
-    r = run_script(smoke_args(good_data, tmp_path, "--compile", "on"), cwd=tmp_path)
-    assert_one_line_error(r, "--compile on", "CUDA GPU", "reference attention")
+def test_error_compile_on_the_cpu(main, tmp_path, good_data):
+    refused(main(smoke_args(good_data, tmp_path, "--compile", "on")), "--compile on", "CUDA GPU", "reference attention")
 
 
 def test_save_checkpoint_writes_final_state(tmp_path, good_data):
-    r = run_script(smoke_args(good_data, tmp_path, "--num-scheduled-iterations", "3", "--num-extension-iterations", "1",
-                              "--val-loss-every", "0", "--save-checkpoint", "--run-id", "ck",
-                              # small batches: the CPU's time goes to the lm_head, per token
-                              "--train-bs-schedule", "128,128,128", "--train-bs-extension", "128",
-                              "--val-tokens", "1024", "--val-batch-size", "1024"), cwd=tmp_path, timeout=300)
+    r = run_script([*TINY, "--data-path", str(good_data), "--log-dir", str(tmp_path / "logs"),
+                    "--num-scheduled-iterations", "3", "--num-extension-iterations", "1", "--save-checkpoint",
+                    "--run-id", "ck"], cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     state = torch.load(tmp_path / "logs" / "ck" / "state_step000004.pt", weights_only=False)
     assert state["step"] == 4 and state["code"] == (REPO / "train_gpt.py").read_text()

@@ -9,9 +9,16 @@ import pytest
 
 from proxy_shards import build_shards
 from processes import run_group
+from test_cli_and_errors import TINY
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
+
+
+# A tiny model (test_cli_and_errors.TINY) with three stages and the extension, whose warm-ups make the first
+# 4 x warmup_steps_per_stage calls of train_step (fault_launcher.py counts them), then 12 + 3 timed steps
+FLAGS = [*TINY, "--train-bs-schedule", "128,128,128", "--ws-schedule", "3,3,3", "--lr-plateaus", "1,1,1",
+         "--lr-plateau-starts", "0,0.3,0.6", "--num-scheduled-iterations", "12", "--num-extension-iterations", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +35,7 @@ def test_one_failing_rank_ends_the_job(tmp_path, data, kind):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "fault_launcher.py"), "--smoke", "--device", "cpu", "--data-path", str(data),
-           "--log-dir", str(tmp_path / "logs"), "--num-scheduled-iterations", "12", "--val-loss-every", "0"]
+           str(HERE / "fault_launcher.py"), *FLAGS, "--data-path", str(data), "--log-dir", str(tmp_path / "logs")]
     t0 = time.time()
     r = run_group(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     elapsed = time.time() - t0

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
-from interpreter import run_in_triton_interpreter
+from interpreter import interpreted, run_scripts_in_triton_interpreter
 
 T, V, D = 64, 256, 768
 
@@ -150,6 +150,14 @@ def inv_x() -> float:
     return float(np.float32(1) / np.float32(tg.FP8_X_SCALE))
 
 
+@pytest.fixture(scope="module")
+def interpreter_runs():
+    """The Triton-interpreter scripts of this module (below), run together in one fresh process."""
+    return run_scripts_in_triton_interpreter(dict(
+        transpose=TRANSPOSE_SCRIPT, quantize=QUANTIZE_SCRIPT, ce_backward=CE_BACKWARD_SCRIPT,
+        ce_forward=CE_FORWARD_SCRIPT, fused_head=FUSED_HEAD_SCRIPT))
+
+
 TRANSPOSE_SCRIPT = """
 import json, torch, train_gpt as tg
 assert tg._TRITON_INTERPRET
@@ -163,9 +171,9 @@ print(json.dumps(out))
 """
 
 
-def test_transpose_bytes_kernel_matches_torch_on_fp8_and_ragged_shapes():
+def test_transpose_bytes_kernel_matches_torch_on_fp8_and_ragged_shapes(interpreter_runs):
     """The Triton tile transpose (run in the interpreter: TRITON_INTERPRET must be set before triton loads)."""
-    rows = run_in_triton_interpreter(TRANSPOSE_SCRIPT)
+    rows = interpreted(interpreter_runs, "transpose")
     assert len(rows) == 5
     for row in rows:
         assert row["equal"] and row["contiguous"], row
@@ -193,12 +201,12 @@ print(json.dumps(out))
 """
 
 
-def test_quantize_transpose_kernel_writes_both_layouts_of_the_scaled_input():
+def test_quantize_transpose_kernel_writes_both_layouts_of_the_scaled_input(interpreter_runs):
     """The Triton pass in the interpreter, fp32 and fp16 inputs (bf16 is unreliable there): tiles, masks, the
     scale and the transposed store. The inputs are exact e4m3 values times the scale, because the interpreter's own
     fp8 conversion loses the carry when a value rounds up into the next power of two; rounding itself is checked
     against PyTorch's cast on the GPU (tests/gpu)."""
-    rows = run_in_triton_interpreter(QUANTIZE_SCRIPT)
+    rows = interpreted(interpreter_runs, "quantize")
     assert len(rows) == 10
     for row in rows:
         assert row["q_equal"] and row["q_t_equal"] and row["contiguous"], row
@@ -344,12 +352,12 @@ print(json.dumps(out))
 """
 
 
-def test_softcap_ce_backward_kernel_is_autograds_gradient_of_the_plain_loss_in_both_layouts():
+def test_softcap_ce_backward_kernel_is_autograds_gradient_of_the_plain_loss_in_both_layouts(interpreter_runs):
     """The fused Triton backward in the interpreter, exact and fast math (the interpreter's tanh is exact: tanh.approx
     runs on GPUs only, tests/gpu bounds it): fp32 output against float64 autograd of the plain softcap and
     cross-entropy, its transpose written exactly, every element written (NaN-poisoned buffers), ragged tiles masked,
     e5m2 values as torch rounds them; also with a new SOFTCAP and SOFTCAP_WIDTH."""
-    rows = run_in_triton_interpreter(CE_BACKWARD_SCRIPT)
+    rows = interpreted(interpreter_runs, "ce_backward")
     assert len(rows) == 10 and {row["fast"] for row in rows} == {False, True}
     assert [row["constants"] for row in rows[-2:]] == [[50.0, 10.0]] * 2
     for row in rows:
@@ -390,12 +398,12 @@ print(json.dumps(out))
 """
 
 
-def test_fused_ce_forward_kernel_is_the_plain_softcapped_cross_entropy_for_ragged_tiles_and_both_maths():
+def test_fused_ce_forward_kernel_is_the_plain_softcapped_cross_entropy_for_ragged_tiles_and_both_maths(interpreter_runs):
     """The forward's Triton pass in the interpreter: per-token log-sum-exp and loss against float64 of the plain
     softcap and cross-entropy, several tiles (CE_FORWARD_TILE; V swept in chunks, ragged last rows and columns), every
     row written (NaN-poisoned buffers), exact and fast math, also with a new SOFTCAP and SOFTCAP_WIDTH; the custom op
     (always fast math) sums the per-token losses, and its fake reports the real shapes and dtypes."""
-    rows = run_in_triton_interpreter(CE_FORWARD_SCRIPT)
+    rows = interpreted(interpreter_runs, "ce_forward")
     kernel_rows = [row for row in rows if "lse_rel_err" in row]
     op_rows = [row for row in rows if "op_loss_rel_err" in row]
     assert len(kernel_rows) == 10 and len(op_rows) == 5
@@ -464,13 +472,13 @@ print(json.dumps(out))
 """
 
 
-def test_fused_head_is_the_plain_fp8_head_in_the_interpreter_eager_and_compiled():
+def test_fused_head_is_the_plain_fp8_head_in_the_interpreter_eager_and_compiled(interpreter_runs):
     """FusedLMHeadLoss with its real Triton passes (interpreter) against the plain lm_head_loss with FP8 operands:
     the same loss; e5m2 gradient bytes equal to e5m2(bf16(autograd's gradient) / FP8_GRAD_SCALE) but where the
     interpreter's own casts round towards zero, so gradients within those bytes' difference (and as close to the
     float64 textbook loss's as the plain head's); compiled (aot_eager)
     equal to eager bit for bit; the backward op's fake reports the real shapes, strides and dtypes."""
-    rows = run_in_triton_interpreter(FUSED_HEAD_SCRIPT)
+    rows = interpreted(interpreter_runs, "fused_head")
     assert len(rows) == 2
     for row in rows:
         assert row["loss_rel_err"] < 1e-6, row

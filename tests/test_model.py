@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
-from interpreter import run_in_triton_interpreter
+from interpreter import interpreted, run_scripts_in_triton_interpreter
 
 SMOKE = tg.Hyperparameters(**tg.SMOKE_PRESET)
 TINY = dataclasses.replace(SMOKE, model_dim=32, num_heads=2, head_dim=16)  # cheaper GEMMs, the same graphs
@@ -725,6 +725,14 @@ def test_fused_attention_op_fakes_trace_forward_and_backward():
             assert [tuple(g.shape) for g in grads] == [(40, 6, 8)] + ([(40, 2, 8)] if ve is not None else [])
 
 
+@pytest.fixture(scope="module")
+def interpreter_runs():
+    """The Triton-interpreter scripts of this module (below), run together in one fresh process."""
+    return run_scripts_in_triton_interpreter(dict(fused_attention=FUSED_ATTENTION_SCRIPT,
+                                                  qk_norm_rope=QK_NORM_ROPE_SCRIPT,
+                                                  value_embedding=VALUE_EMBEDDING_SCRIPT))
+
+
 FUSED_ATTENTION_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, "tests")
@@ -758,12 +766,12 @@ print(json.dumps(out))
 """
 
 
-def test_fused_attention_equals_the_plain_attention_forward_and_backward():
+def test_fused_attention_equals_the_plain_attention_forward_and_backward(interpreter_runs):
     """fused_attention (the Triton q/k norm + rotary pass, v + ve, FlashAttention-4 stood in by dense attention; dv
     written into the qkv gradient, ve's gradient = dv) against the plain `attention` and autograd of it, fp32 in the
     Triton interpreter, YaRN-stretched tables, with and without the value embedding; FA4 gets the short window and
     the scale of the table's row 0, causal, in both passes."""
-    rows = run_in_triton_interpreter(FUSED_ATTENTION_SCRIPT)
+    rows = interpreted(interpreter_runs, "fused_attention")
     assert len(rows) == 4
     for row in rows:
         assert row["calls"] == [["fwd", 0.3, True, 4, 0, True, row["max_seqlen"], True],
@@ -801,13 +809,13 @@ print(json.dumps(out))
 """
 
 
-def test_qk_norm_rope_kernels_compute_rotary_of_norm_and_its_gradient():
+def test_qk_norm_rope_kernels_compute_rotary_of_norm_and_its_gradient(interpreter_runs):
     """The Triton copy of the rotary math, pinned against the plain functions: qk_norm_rope's forward against
     rotary(norm(x)) in float64 (YaRN-stretched tables, ragged last tile), its backward against float64 autograd of
     the same, written into the q and k heads of the qkv gradient only (the v heads are FlashAttention-4's to write).
     An edit of `rotary` or `norm` changes the fused attention's fingerprint (resolve_kernels refuses it); this test
     is what says the kernel computes the functions that fingerprint was taken of."""
-    rows = run_in_triton_interpreter(QK_NORM_ROPE_SCRIPT)
+    rows = interpreted(interpreter_runs, "qk_norm_rope")
     assert len(rows) == 3
     for row in rows:
         assert row["fwd_rel_err"] < 1e-6 and row["rstd_rel_err"] < 1e-6 and row["bwd_rel_err"] < 1e-5, row
@@ -831,11 +839,11 @@ print(json.dumps(out))
 """
 
 
-def test_value_embedding_pass_equals_the_plain_addition_of_the_strided_v_heads():
+def test_value_embedding_pass_equals_the_plain_addition_of_the_strided_v_heads(interpreter_runs):
     """The Triton pass adding ve to qkv's v heads (interpreter; fp32 and fp16: the interpreter's cast to bf16
     truncates where GPUs round): bit-identical to the plain attention's `v + ve` on the strided view, written
     contiguous."""
-    rows = run_in_triton_interpreter(VALUE_EMBEDDING_SCRIPT)
+    rows = interpreted(interpreter_runs, "value_embedding")
     assert len(rows) == 6
     for row in rows:
         assert row["equal"] and row["contiguous"] and row["shape"] == row["case"][:3], row
