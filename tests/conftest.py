@@ -32,6 +32,9 @@ USERS_CACHE_DIRS = {} if IS_WORKER else {var: os.environ[var] for var in CACHE_D
 for var in CACHE_DIRS:
     os.environ[var] = str(RUN_DIR / "caches" / var.lower())
 os.environ.pop("TRITON_CACHE_DIR", None)
+# Inductor compiles in a pool of subprocesses when it may use more than one thread; with a worker per core there is
+# no core to spare, and each pool's processes cost seconds of importing torch. One thread: it compiles in-process.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 CRASHED = RUN_DIR / "crashed"  # written by the main process when a worker dies: the others stop after their test
 RUNNING = RUN_DIR / "running"  # a file per process, naming its running test (run.sh reads them if the suite hangs)
 PROCESS_NAME = os.environ.get("PYTEST_XDIST_WORKER", "main")

@@ -16,18 +16,22 @@ rank, fault_rank = int(os.environ["RANK"]), int(os.environ["FAULT_RANK"])
 fault_step, kind = int(os.environ["FAULT_STEP"]), os.environ["FAULT_KIND"]
 
 if rank == fault_rank:
-    real_train_step = tg.Trainer.train_step
-    calls = {"n": 0}
+    real_train_step, real_warm_up = tg.Trainer.train_step, tg.Trainer.warm_up_kernels
+    armed = {"after_warm_up": False}
+
+    def warm_up_then_arm(self, *args, **kwargs):
+        result = real_warm_up(self, *args, **kwargs)
+        armed["after_warm_up"] = True
+        return result
 
     def failing_train_step(self, step, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > self.args.warmup_steps_per_stage * 4 and step == fault_step:  # a timed step, not warm-up
+        if armed["after_warm_up"] and step == fault_step:  # a timed step, not warm-up
             print(f"fault injected: rank {rank} {kind} at step {step}, unix time {time.time():.3f}", flush=True)
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise tg.ShardError(f"simulated corrupt shard seen by rank {rank} at step {step}")
         return real_train_step(self, step, *args, **kwargs)
 
-    tg.Trainer.train_step = failing_train_step
+    tg.Trainer.train_step, tg.Trainer.warm_up_kernels = failing_train_step, warm_up_then_arm
 
 sys.exit(tg.main())

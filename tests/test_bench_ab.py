@@ -92,7 +92,7 @@ def test_welchs_p_matches_scipy_where_the_sides_differ_in_size_and_spread():
 
 
 def test_a_run_cut_at_the_deadline_drops_its_pair_so_a_and_b_stay_balanced(stub):
-    assert ab.main(stub.argv("--pairs", "5", "--budget", "6", sleep={"b2": 60})) == 0
+    assert ab.main(stub.argv("--pairs", "5", "--budget", "3", sleep={"b2": 60})) == 0
     s = summary(stub)
     assert s["order"] == ["a1", "b1", "a2", "b2"]  # no pair 3: the deadline had passed
     b2 = s["runs"][3]

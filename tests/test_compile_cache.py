@@ -17,16 +17,24 @@ REPO = Path(__file__).resolve().parents[1]
 # The graphs these processes compile are matrix products only, which Inductor hands to ATen (extern kernels): on
 # the CPU it then writes no C++ and runs no compiler, which would cost each fresh process seconds (a vector-ISA
 # probe and the kernel), while the FX graph cache and the bundle work as for any graph.
+# mode save: compile, record an autotuning result, write the bundle; load: load the bundle, then compile the same
+# graph; load-only: load the bundle.
 PROCESS = r"""
 import json, sys, torch
 from pathlib import Path
 from torch._dynamo.utils import counters
+from torch.compiler._cache import CacheArtifactManager
 import train_gpt as tg
 mode, bundle = sys.argv[1], Path(sys.argv[2])
-loaded, line = tg.load_compile_cache(bundle) if mode == "load" else (False, "")
-f = torch.compile(lambda a, b: a @ b, dynamic=False)
-f(torch.randn(16, 16), torch.randn(16, 16))
-saved = tg.save_compile_cache(bundle) if mode == "save" else ""
+loaded, line = tg.load_compile_cache(bundle) if mode.startswith("load") else (False, "")
+if mode != "load-only":
+    f = torch.compile(lambda a, b: a @ b, dynamic=False)
+    f(torch.randn(16, 16), torch.randn(16, 16))
+saved = ""
+if mode == "save":
+    # what Inductor records when a kernel's launch configs have been benchmarked (GPU only)
+    CacheArtifactManager.record_artifact("autotune", "ab/abcdef.best_config", {"XBLOCK": 128, "num_warps": 4})
+    saved = tg.save_compile_cache(bundle)
 print("RESULT=" + json.dumps(dict(loaded=loaded, line=line, saved=saved, hits=counters["inductor"]["fxgraph_cache_hit"],
                                   misses=counters["inductor"]["fxgraph_cache_miss"])))
 """
@@ -41,10 +49,11 @@ def run_script(script: str, args: list, **cache_dirs):
     return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT="))[len("RESULT="):])
 
 
-def run_process(mode, bundle, inductor_dir, kernel_dir, quack_dir, triton_dir):
-    return run_script(PROCESS, [mode, bundle], TORCHINDUCTOR_CACHE_DIR=inductor_dir,
-                      FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=kernel_dir, QUACK_CACHE_DIR=quack_dir,
-                      TRITON_CACHE_DIR=triton_dir)
+def run_process(mode, bundle, machine: Path):
+    """PROCESS on a machine: its Inductor folder and kernel-cache folders under `machine`."""
+    return run_script(PROCESS, [mode, bundle], TORCHINDUCTOR_CACHE_DIR=machine / "inductor",
+                      FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=machine / "fa4", QUACK_CACHE_DIR=machine / "quack",
+                      TRITON_CACHE_DIR=machine / "triton")
 
 
 def fake_triton_entry(folder: Path, key: str, kernel: str) -> None:
@@ -55,78 +64,67 @@ def fake_triton_entry(folder: Path, key: str, kernel: str) -> None:
         json.dumps({"child_paths": {f"{kernel}.cubin": str(folder / key / f"{kernel}.cubin")}}))
 
 
+LAUNCHER = f"__triton_launcher{sysconfig.get_config_var('EXT_SUFFIX')}"
+
+
+@pytest.fixture(scope="module")
+def two_machines(tmp_path_factory):
+    """Machine A compiles (kernel-cache folders filled, an autotuning result recorded) and writes a bundle; its folders
+    are then removed. Machine B, fresh (another path, empty folders), loads the bundle and compiles the same graph.
+    Last, a process at A's Inductor path only loads the bundle. The processes' results, in order."""
+    tmp = tmp_path_factory.mktemp("bundle")
+    bundle, a, b = tmp / "bundle.zip", tmp / "machine_a", tmp / "machine_b"
+    (a / "fa4" / "sub").mkdir(parents=True)
+    (a / "fa4" / "sub" / "kernel.o").write_bytes(b"compiled kernel")
+    (a / "quack").mkdir()
+    (a / "quack" / "gemm_act.o").write_bytes(b"quack kernel")
+    fake_triton_entry(a / "triton", "KEY1", "_softcap_ce_backward_kernel")  # ours: travels
+    fake_triton_entry(a / "triton", "KEY2", "triton_poi_fused_add_0")  # Inductor's: already in the artifacts
+    (a / "triton" / "KEY3").mkdir()
+    (a / "triton" / "KEY3" / LAUNCHER).write_bytes(b"compiled C module")  # Triton's gcc-built launcher: travels
+    saved = run_process("save", bundle, a)
+    inductor_dir_entry = zipfile.ZipFile(bundle).read(tg.INDUCTOR_DIR_ENTRY).decode()
+    import shutil
+    shutil.rmtree(a)  # a fresh machine has no such folder
+    loaded = run_process("load", bundle, b)
+    at_origin = run_process("load-only", bundle, a)
+    return dict(tmp=tmp, bundle=bundle, a=a, b=b, saved=saved, inductor_dir_entry=inductor_dir_entry,
+                loaded=loaded, at_origin=at_origin)
+
+
 @pytest.mark.slow
-def test_bundle_from_one_machine_skips_compilation_on_a_fresh_one(tmp_path):
+def test_bundle_from_one_machine_skips_compilation_on_a_fresh_one(two_machines):
     """Inductor's graphs and the kernel-cache folders (FlashAttention-4's, quack's, and of Triton's this script's own
     kernels and Triton's compiled C modules) travel in the bundle."""
-    bundle = tmp_path / "bundle.zip"
-    kernels, quack, triton_a = tmp_path / "fa4_a", tmp_path / "quack_a", tmp_path / "triton_a"
-    (kernels / "sub").mkdir(parents=True)
-    (kernels / "sub" / "kernel.o").write_bytes(b"compiled kernel")
-    quack.mkdir()
-    (quack / "gemm_act.o").write_bytes(b"quack kernel")
-    fake_triton_entry(triton_a, "KEY1", "_softcap_ce_backward_kernel")  # ours: travels
-    fake_triton_entry(triton_a, "KEY2", "triton_poi_fused_add_0")  # Inductor's: already in the artifacts
-    launcher = f"__triton_launcher{sysconfig.get_config_var('EXT_SUFFIX')}"
-    (triton_a / "KEY3").mkdir()
-    (triton_a / "KEY3" / launcher).write_bytes(b"compiled C module")  # Triton's gcc-built launcher: travels
-    first = run_process("save", bundle, tmp_path / "inductor_a", kernels, quack, triton_a)
+    first, second, bundle, b = (two_machines[k] for k in ("saved", "loaded", "bundle", "b"))
     assert first["misses"] >= 1 and "wrote" in first["saved"] and "5 kernel-cache files" in first["saved"]
-    # a fresh machine: empty Inductor cache, empty kernel-cache folders
-    second = run_process("load", bundle, tmp_path / "inductor_b", tmp_path / "fa4_b", tmp_path / "quack_b",
-                         tmp_path / "triton_b")
+    # the fresh machine: empty Inductor cache, empty kernel-cache folders
     assert second["loaded"] and second["line"].startswith(f"compile cache: loaded {bundle}")
     assert second["hits"] >= 1 and second["misses"] == 0
-    assert (tmp_path / "fa4_b" / "sub" / "kernel.o").read_bytes() == b"compiled kernel"
-    assert (tmp_path / "quack_b" / "gemm_act.o").read_bytes() == b"quack kernel"
-    restored = sorted(p.relative_to(tmp_path / "triton_b").as_posix() for p in (tmp_path / "triton_b").rglob("*")
-                      if p.is_file())
+    assert (b / "fa4" / "sub" / "kernel.o").read_bytes() == b"compiled kernel"
+    assert (b / "quack" / "gemm_act.o").read_bytes() == b"quack kernel"
+    restored = sorted(p.relative_to(b / "triton").as_posix() for p in (b / "triton").rglob("*") if p.is_file())
     assert restored == ["KEY1/__grp___softcap_ce_backward_kernel.json", "KEY1/_softcap_ce_backward_kernel.cubin",
-                        f"KEY3/{launcher}"]
+                        f"KEY3/{LAUNCHER}"]
     # Triton finds an entry through the absolute paths in its group file: they must point into the new folder
-    group = json.loads((tmp_path / "triton_b" / restored[0]).read_text())
-    assert group["child_paths"] == {"_softcap_ce_backward_kernel.cubin": str(tmp_path / "triton_b" / restored[1])}
-
-
-AUTOTUNE_PROCESS = r"""
-import json, sys, torch
-from pathlib import Path
-from torch.compiler._cache import CacheArtifactManager
-import train_gpt as tg
-mode, bundle = sys.argv[1], Path(sys.argv[2])
-if mode == "save":
-    f = torch.compile(lambda a, b: a @ b, dynamic=False)
-    f(torch.randn(8, 8), torch.randn(8, 8))
-    # what Inductor records when a kernel's launch configs have been benchmarked (GPU only)
-    CacheArtifactManager.record_artifact("autotune", "ab/abcdef.best_config", {"XBLOCK": 128, "num_warps": 4})
-    print("RESULT=" + json.dumps(tg.save_compile_cache(bundle)))
-else:
-    print("RESULT=" + json.dumps(tg.load_compile_cache(bundle)[1]))
-"""
+    group = json.loads((b / "triton" / restored[0]).read_text())
+    assert group["child_paths"] == {"_softcap_ce_backward_kernel.cubin": str(b / "triton" / restored[1])}
 
 
 @pytest.mark.slow
-def test_autotuning_results_are_also_placed_where_the_bundles_kernels_look_for_them(tmp_path):
+def test_autotuning_results_are_also_placed_where_the_bundles_kernels_look_for_them(two_machines):
     """A kernel from the bundle looks for its autotuning result under the Inductor folder of the machine that wrote
     the bundle; on a machine whose folder has another path the result must be there too, or it is benchmarked again."""
-    bundle = tmp_path / "bundle.zip"
-
-    def run(mode, inductor_dir):
-        return run_script(AUTOTUNE_PROCESS, [mode, bundle], TORCHINDUCTOR_CACHE_DIR=inductor_dir,
-                          TRITON_CACHE_DIR=tmp_path / f"triton_{mode}")
-
-    origin, here = tmp_path / "machine_a" / "inductor", tmp_path / "machine_b" / "inductor"
-    assert "wrote" in run("save", origin)
-    assert zipfile.ZipFile(bundle).read(tg.INDUCTOR_DIR_ENTRY).decode() == str(origin)
-    import shutil
-    shutil.rmtree(tmp_path / "machine_a")  # a fresh machine has no such folder
-    line = run("load", here)
+    origin, here = two_machines["a"] / "inductor", two_machines["b"] / "inductor"
+    assert two_machines["inductor_dir_entry"] == str(origin)
+    line = two_machines["loaded"]["line"]
     assert "1 autotuning results also placed under " + str(origin) in line and "\n" not in line
     restored = (here / "ab" / "abcdef.best_config").read_bytes()  # PyTorch's own restore
     assert json.loads(restored)["XBLOCK"] == 128
     assert (origin / "ab" / "abcdef.best_config").read_bytes() == restored
     # loading where the bundle was written: nothing to copy, nothing said
-    assert "also placed" not in run("load", origin)
+    at_origin = two_machines["at_origin"]
+    assert at_origin["loaded"] and "also placed" not in at_origin["line"]
 
 
 def test_autotuning_results_never_leave_their_folder_and_an_unwritable_one_is_one_clause(tmp_path, monkeypatch):

@@ -67,7 +67,9 @@ def trainer(tmp_path_factory):
                           "--train-bs-schedule", "128,256", "--ws-schedule", "3,7", "--lr-plateaus", "1,1.5",
                           "--lr-plateau-starts", "0,0.5", "--train-bs-extension", "256", "--train-max-seq-len", "128",
                           "--data-path", str(folder / "data"), "--log-dir", str(folder / "logs")])
-    runtime = tg.resolve_runtime(args, env={})
+    # two micro-batches a step (as at four ranks) instead of one process's eight: what the graphs do with a step's
+    # first, later and last micro-batch is the same, at a quarter of the CPU time (four a step at two ranks: below)
+    runtime = dataclasses.replace(tg.resolve_runtime(args, env={}), grad_accum_steps=2)
     return tg.build_trainer(args, runtime, folder / "logs" / "graphs.txt")
 
 
@@ -373,10 +375,11 @@ def test_a_value_the_graphs_read_from_a_tensor_reaches_every_replay():
 # hooks. It gets a graph of its own, whose replay must leave the averaged gradients where DistAdam's step reads them.
 
 def _graphs_against_eager_on_two_ranks(rank, world_size, data, one_micro_batch=False):
-    """Six steps of stage 1 with two ranks (four micro-batches each per step), eagerly and through stand-in graphs:
-    the plain micro-batch's key is captured in step 0, the reduce-scattering one (the last of each odd step) is
-    captured in step 1 and replayed in steps 3 and 5. one_micro_batch: each rank runs one micro-batch a step, as on
-    8 GPUs (the graphs write the gradients they start): each key is captured in step 0 or 1."""
+    """Six steps of stage 1 with two ranks (two micro-batches each per step, as at four ranks: half the CPU time of
+    two ranks' four), eagerly and through stand-in graphs: the plain micro-batch's key is captured in step 0, the
+    reduce-scattering one (the last of each odd step) is captured in step 1 and replayed in steps 3 and 5.
+    one_micro_batch: each rank runs one micro-batch a step, as on 8 GPUs (the graphs write the gradients they start):
+    each key is captured in step 0 or 1."""
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0",
                           "--train-bs-schedule", "128,256,384", "--train-bs-extension", "384",
                           "--train-max-seq-len", "128", "--data-path", str(data)])
@@ -384,7 +387,7 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data, one_micro_batch=F
     batch_size = tg.stages(args)[0].batch_size
     if one_micro_batch:
         batch_size //= runtime.grad_accum_steps
-        runtime = dataclasses.replace(runtime, grad_accum_steps=1)
+    runtime = dataclasses.replace(runtime, grad_accum_steps=1 if one_micro_batch else 2)
     model, adam, muon = tg.build_model_and_optimizers(args, runtime)
     train_files, val_file = tg.find_data(args, runtime)
     trainer = tg.Trainer(args, runtime, model, adam, muon, train_files, val_file, tg.Logger("/dev/null", False))
@@ -422,10 +425,10 @@ def test_two_ranks_replay_the_reduce_scattering_micro_batch_as_its_own_graph_and
     for r in ranks:
         assert r["same_weights"] and r["same_losses"]
         # two keys: the plain micro-batch's graph and the one ending an Adam step, which reduce-scatters all six of
-        # DistAdam's params; of 24 micro-batches two are captured (their capture runs them), the rest replayed,
+        # DistAdam's params; of 12 micro-batches two are captured (their capture runs them), the rest replayed,
         # the reduce-scattering graph in steps 3 and 5
         assert r["reduce_scattering"] == [0, 6]
-        assert (r["captures"], r["replays"], r["reduce_scatters_replayed"]) == (2, 22, [6, 6])
+        assert (r["captures"], r["replays"], r["reduce_scatters_replayed"]) == (2, 10, [6, 6])
     assert ranks[0]["weights"] == ranks[1]["weights"]  # the replicas stay identical
 
 

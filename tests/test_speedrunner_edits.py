@@ -5,9 +5,6 @@ while the fused path runs them or refuses them with that message."""
 import dataclasses
 import importlib.util
 import math
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import train_gpt as tg
-from processes import run_group
 from proxy_shards import build_shards
+from test_cli_and_errors import main, refused  # noqa: F401  (main: a fixture)
 
 PLAIN = {name: kernel.plain for name, kernel in tg.FUSED_KERNELS.items()}
 # 32 wide, one micro-batch of 64 tokens a step: a training step in well under a second on one CPU core
@@ -118,14 +115,11 @@ def test_kernels_takes_fused_plain_or_a_list_of_the_fused_kernels_names():
         tg.parse_args(["--kernels", "mlp,fa4"])
 
 
-def test_a_kernels_request_that_cannot_run_exits_2_with_one_line(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    r = run_group([sys.executable, str(Path(tg.__file__)), "--smoke", "--device", "cpu", "--kernels", "mlp",
-                   "--check-flags"], cwd=tmp_path, env=dict(env, CUDA_VISIBLE_DEVICES=""), timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.splitlines() == ["error: --kernels: the fused mlp kernel cannot run here (RuntimeError: it needs a "
-                                     "CUDA GPU); leave it out of --kernels, use --kernels plain, or ./run.sh "
-                                     "setup-gpu for FlashAttention-4 and quack"]
+def test_a_kernels_request_that_cannot_run_exits_2_with_one_line(main, tmp_path):
+    # through main() in this process (test_cli_and_errors.py runs such refusals as a script too)
+    line = refused(main(["--smoke", "--device", "cpu", "--kernels", "mlp", "--check-flags"]))
+    assert line == ("error: --kernels: the fused mlp kernel cannot run here (RuntimeError: it needs a CUDA GPU); leave "
+                    "it out of --kernels, use --kernels plain, or ./run.sh setup-gpu for FlashAttention-4 and quack")
     assert list(tmp_path.iterdir()) == []
 
 

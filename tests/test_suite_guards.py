@@ -123,11 +123,12 @@ def test_the_run_compiles_into_a_folder_of_its_own_removed_at_its_end(crashed_ru
 
 
 def test_a_suite_past_its_overall_limit_is_stopped_naming_the_running_test(tmp_path):
-    repo = suite_copy(tmp_path, {"test_hang.py": HANG}, limit_s=300, suite_limit_min="0.25")
-    r, seconds = run_suite(tmp_path, repo, "-n", "0")  # one process: no worker to start
+    # 6 s: time enough for one pytest process (no worker to start, nothing that imports torch) to reach the test
+    repo = suite_copy(tmp_path, {"test_hang.py": HANG}, limit_s=300, suite_limit_min="0.1")
+    r, seconds = run_suite(tmp_path, repo, "-n", "0")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
-    assert seconds < 45
-    assert ("run.sh: the test suite ran past its 0.25-minute limit and was stopped; tests running then: "
+    assert seconds < 36
+    assert ("run.sh: the test suite ran past its 0.1-minute limit and was stopped; tests running then: "
             "tests/test_hang.py::test_hangs") in r.stderr
     assert r.left_running == [] and list((tmp_path / "tmp").glob("speedrun-tests-*")) == []
 
@@ -136,6 +137,6 @@ def test_a_killed_group_takes_its_descendants_in_sessions_of_their_own_along(tmp
     """torchrun starts its workers in sessions of their own: killing torchrun's group must not orphan them."""
     pid_file = tmp_path / "pid"
     with pytest.raises(subprocess.TimeoutExpired):
-        run_group(["bash", "-c", f"setsid sleep 600 & echo $! > {pid_file}; wait"], timeout=5)
+        run_group(["bash", "-c", f"setsid sleep 600 & echo $! > {pid_file}; wait"], timeout=2)
     pid = int(pid_file.read_text())
     assert not alive(pid)
