@@ -106,15 +106,19 @@ def pytest_configure(config):
 # rest, which follow in collection order; xdist's own ordering, by the number of tests in a file, is turned off.
 SLOW_FILES_FIRST = (
     "test_smoke_e2e.py",       # 180: the 2-process smoke run
-    "test_cuda_graphs.py",     # 80: the two-rank graph checks
-    "test_run_sh.py",          # 70: ./run.sh launch, for real
-    "test_compile_cache.py",   # 70: fresh processes that compile
-    "test_model.py",           # 65: compiled graphs
-    "test_records.py",         # 60
-    "test_triton_kernels.py",  # 55: the Triton interpreter
-    "test_fp8.py",             # 50
-    "test_suite_guards.py",    # 50: planted suites
+    "test_cuda_graphs.py",     # 100: the graph checks, two of them on two ranks
+    "test_run_sh.py",          # 60: ./run.sh launch, for real
+    "test_model.py",           # 55: a compiled model
+    "test_compile_cache.py",   # 55: fresh processes that compile
+    "test_cli_and_errors.py",  # 55: the script as a user runs it, under torchrun too
+    "test_mlp_kernels.py",     # 40: a compiled model
     "test_run_guards.py",      # 40: four trainers side by side
+    "test_data_download.py",   # 35
+    "test_records.py",         # 35
+    "test_faults.py",          # 25: two 2-process runs
+    "test_triton_kernels.py",  # 25: the Triton interpreter
+    "test_fp8.py",             # 20: the Triton interpreter
+    "test_suite_guards.py",    # 20: planted suites
 )
 
 

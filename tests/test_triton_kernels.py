@@ -53,7 +53,9 @@ SCRIPT = textwrap.dedent(r"""
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
 
     for dtype in (torch.float32, torch.float16):
-        for cfg_name, tiles in (("small", SMALL), ("rule", {})):
+        # small tiles (many blocks, ragged last ones) in fp32 only: the masks and the block walk do not depend on the
+        # dtype, which the rule's tiles check in both (their last blocks are ragged too), at a fifth of the time
+        for cfg_name, tiles in (("small", SMALL), ("rule", {})) if dtype == torch.float32 else (("rule", {}),):
             tg.ORTHOGONALIZER_TILES = tiles  # kernel_config() reads its overrides from here
             assert tg.kernel_config("ax_plus_bx", 2, 37, 70, dtype)["BLOCK_N"] == (32 if tiles else 64)
             # ---- xxt: batched, transposed view, 2-D, block-aligned (EVEN path) ----
@@ -142,9 +144,10 @@ def _check(rows, tol_for):
 @pytest.mark.parametrize("kernel", ["xxt", "ba_plus_cAA", "ax_plus_bx"])
 def test_kernel_matches_float64(kernel_results, kernel):
     rows = [r for r in kernel_results if r["name"].startswith(kernel + "/")]
-    # 2 dtypes x 2 config sets x (4 layouts [+ b values / B variants] + 1 allocating call)
-    assert len(rows) >= 20
-    assert {r["dtype"] for r in rows} == {"torch.float32", "torch.float16"}
+    # (fp32 x 2 config sets + fp16 x the rule's) x (4 layouts [+ b values / B variants] + 1 allocating call)
+    assert len(rows) >= 15
+    assert {(r["dtype"], r["name"].split("/")[1]) for r in rows} == {
+        ("torch.float32", "small"), ("torch.float32", "rule"), ("torch.float16", "rule")}
     _check(rows, lambda r: TOL[r["dtype"]])
 
 
