@@ -3044,13 +3044,14 @@ def build_trainer(args: Hyperparameters, runtime: Runtime, log_file: Path, repla
 COMPILE_CACHE_DIRS = ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR", "TRITON_CACHE_DIR")
 INDUCTOR_DIR_ENTRY = "inductor_cache_dir.txt"  # the Inductor folder the bundle was written from
 
-def default_kernel_cache_dirs(env=os.environ) -> None:
+def default_kernel_cache_dirs(env=os.environ, triton: bool = True) -> None:
     """Name every kernel-cache folder before anything compiles (a bundle restores and carries them): the folder each
-    owner would pick anyway, and for Triton the one Inductor sets for this rank's GPU (our kernels then share it)."""
+    owner would pick anyway, and for Triton (unless triton=False: it imports Inductor, seconds) the one Inductor sets
+    for this rank's GPU (our kernels then share it)."""
     user_tmp = Path(tempfile.gettempdir()) / getpass.getuser()
     env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(user_tmp / "flash_attention_cute_dsl_cache"))
     env.setdefault("QUACK_CACHE_DIR", str(user_tmp / "quack_cache"))
-    if "TRITON_CACHE_DIR" not in env:
+    if triton and "TRITON_CACHE_DIR" not in env:
         try:
             from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
             env["TRITON_CACHE_DIR"] = triton_cache_dir(int(env.get("LOCAL_RANK", 0)))
@@ -3188,7 +3189,7 @@ def compile_cache_after_warm_up(path: Path | None, loaded: bool) -> str:
 
 def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
     """(bundle path or None, loaded, line for the log), before anything compiles; run() and bench/bench.py share it."""
-    default_kernel_cache_dirs()  # FA4 and quack read theirs at import: before resolve_runtime imports them
+    default_kernel_cache_dirs()
     if not args.compile_cache:
         return None, False, ""
     path = Path(args.compile_cache)
@@ -3205,8 +3206,10 @@ def run(args: Hyperparameters) -> None:
               f"data {args.data_path if args.check else 'not checked'}", flush=True)
         return
     check_outputs(args)
-    cache_path, cache_loaded, cache_line = open_compile_cache(args)
+    default_kernel_cache_dirs(triton=False)  # FA4 and quack read theirs at import: before resolve_runtime imports them
     runtime = resolve_runtime(args)
+    find_data(args, runtime)  # bad data is refused before the compile cache's imports (build_trainer reads it again)
+    cache_path, cache_loaded, cache_line = open_compile_cache(args)
     run_id = args.run_id or str(uuid.uuid4())
     trainer = build_trainer(args, runtime, log_path(args, run_id), replace_log=args.replace_log)
     log = trainer.log
