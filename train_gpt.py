@@ -3189,7 +3189,7 @@ def compile_cache_after_warm_up(path: Path | None, loaded: bool) -> str:
 
 def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
     """(bundle path or None, loaded, line for the log), before anything compiles; run() and bench/bench.py share it."""
-    default_kernel_cache_dirs()
+    default_kernel_cache_dirs()  # bench.py: before resolve_runtime imports FA4 and quack, which read theirs at import
     if not args.compile_cache:
         return None, False, ""
     path = Path(args.compile_cache)
