@@ -38,6 +38,7 @@ import collections
 import concurrent.futures
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import functools
 import gc
@@ -45,6 +46,7 @@ import getpass
 import glob
 import hashlib
 import inspect
+import json
 import math
 import re
 import signal
@@ -54,6 +56,8 @@ import sysconfig
 import tempfile
 import time
 import uuid
+import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,8 +71,7 @@ try:  # Triton is optional: without it (or without a GPU) every kernel has a PyT
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only on machines without triton
-    triton = None
-    tl = None
+    triton = tl = None
 
 def _kernels_usable(t: Tensor) -> bool:
     """Triton kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests)."""
@@ -248,9 +251,7 @@ def parse_args(argv=None) -> Hyperparameters:
 def in_interval(x, interval: str) -> bool:
     """x inside an interval written as "[lo, hi)", "(0, inf)", ...; NaN is inside none."""
     lo, hi = (float(v) for v in interval[1:-1].split(","))
-    above = lo <= x if interval[0] == "[" else lo < x
-    below = x <= hi if interval[-1] == "]" else x < hi
-    return above and below
+    return (lo <= x if interval[0] == "[" else lo < x) and (x <= hi if interval[-1] == "]" else x < hi)
 
 def validate_args(args: Hyperparameters):
     """Every setting checked before anything runs (also under --check): one ConfigError naming the flag."""
@@ -668,9 +669,8 @@ def attention_reference(q, k, v, cu_seqlens, max_seqlen, window_table, window_ro
         n = end - start
         qd, kd, vd = (t[start:end].transpose(0, 1).float() for t in (q, k, v))
         scores = (qd @ kd.transpose(-1, -2)) * scale
-        i = torch.arange(n, device=q.device)[:, None]
-        j = torch.arange(n, device=q.device)[None, :]
-        scores = scores.masked_fill((j > i) | (i - j > window), float("-inf"))
+        back = torch.arange(n, device=q.device)[:, None] - torch.arange(n, device=q.device)  # query minus key position
+        scores = scores.masked_fill((back < 0) | (back > window), float("-inf"))
         out[start:end] = (scores.softmax(dim=-1) @ vd).transpose(0, 1).to(q.dtype)
     return out
 
@@ -2264,10 +2264,8 @@ def process_start_time() -> float:
     """When this process started, on the wall clock: the cold-start figure then counts the imports of torch, Triton
     and the kernel libraries too. Linux reads it from /proc (start ticks against the uptime); elsewhere, now."""
     try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command name
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, after the name
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
         return time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return time.time()
@@ -2503,10 +2501,9 @@ def summary_line(args: Hyperparameters, runtime: "Runtime", result: RunResult) -
     allocated, reserved, pool = peak_memory(runtime.device)
     memory = (f"peak_memory {allocated} MiB allocated, {reserved} MiB reserved ({pool} MiB graphs' pool)"
               if runtime.device == "cuda" else "peak_memory n/a (cpu)")
-    return (f"summary: val_loss {result.val_loss:.4f} at step {result.steps}, "
-            f"train_time {result.train_time_ms / 1000:.3f}s, "
-            f"step_avg {result.train_time_ms / max(result.steps, 1):.2f}ms, {memory}, "
-            f"target {TARGET_VAL_LOSS} {reached}")
+    return (f"summary: val_loss {result.val_loss:.4f} at step {result.steps}, train_time "
+            f"{result.train_time_ms / 1000:.3f}s, step_avg {result.train_time_ms / max(result.steps, 1):.2f}ms, "
+            f"{memory}, target {TARGET_VAL_LOSS} {reached}")
 
 class RunStopped(Exception):
     """The run ends early with a message for the log's last line and an exit status (no traceback)."""
@@ -2794,27 +2791,28 @@ def native_bf16_gemms() -> bool:
     except (AttributeError, RuntimeError):
         return False
 
-_Bf16GemmsInFp32 = None
+def gemm_in_fp32(gemm_out):
+    """A CPU kernel for a GEMM op: bf16 operands widened to fp32, ATen's kernel (the op's out= form), rounded once."""
+    def kernel(*args, **kwargs):
+        bf16 = args[-1].dtype == torch.bfloat16
+        args = [a.float() if bf16 and isinstance(a, Tensor) else a for a in args]
+        out = gemm_out(*args, **kwargs, out=args[-1].new_empty(0))
+        return out.bfloat16() if bf16 else out
+    return kernel
 
+@contextlib.contextmanager
 def bf16_gemms_in_fp32():
-    """A dispatch mode (sees the backward's GEMMs too) that computes bf16 CPU GEMMs in fp32 and rounds the result
-    once. Made on first use: its base class lives in a private torch module."""
-    global _Bf16GemmsInFp32
-    if _Bf16GemmsInFp32 is None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-        aten = torch.ops.aten
-        gemms = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-
-        class Bf16GemmsInFp32(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func in gemms and args[-1].dtype == torch.bfloat16 and args[-1].device.type == "cpu":
-                    wide = [a.float() if isinstance(a, Tensor) else a for a in args]
-                    return func(*wide, **kwargs).bfloat16()
-                return func(*args, **kwargs)
-
-        _Bf16GemmsInFp32 = Bf16GemmsInFp32
-    return _Bf16GemmsInFp32()
+    """Within it, every bf16 CPU GEMM (the backward's too) runs in fp32, rounded once: the four GEMM ops get CPU kernels
+    of their own, process-wide (a dispatch mode would send every op through Python, 30x the calls). Not reentrant."""
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ATen's notice that a kernel is overridden
+        for op in ("mm", "addmm", "bmm", "baddbmm"):
+            lib.impl(op, gemm_in_fp32(getattr(torch.ops.aten, op).out), "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()  # ATen's own kernels again
 
 
 # =====================================================================================
@@ -2835,7 +2833,7 @@ class Runtime:
     kernels: dict = field(default_factory=dict)      # {name: the function the model calls} (resolve_kernels)
     kernel_notes: tuple = ()                          # fused kernels that cannot run here, and why
     cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)
-    bf16_gemms_in_fp32: bool = False  # a CPU without native bf16 GEMMs: they run in fp32 (Bf16GemmsInFp32)
+    bf16_gemms_in_fp32: bool = False  # a CPU without native bf16 GEMMs: they run in fp32 (bf16_gemms_in_fp32)
 
     @property
     def master(self) -> bool:
@@ -2974,6 +2972,10 @@ def setup_process_group(runtime: Runtime):
         torch.cuda.set_device(runtime.local_rank)
         # Works around a first-backward bug seen on some systems (the record does the same).
         torch.zeros(1, device="cuda", requires_grad=True).sum().backward()
+    else:  # glibc hands freed blocks of 32 MiB or more (fp32 logits) back and page-faults them in again: 1/3 of a step
+        libc = ctypes.CDLL(None)
+        if hasattr(libc, "mallopt"):  # M_MMAP_MAX 0: no block mapped alone; M_TRIM_THRESHOLD: keep up to 1 GiB free
+            libc.mallopt(-4, 0), libc.mallopt(-1, 1 << 30)
     if runtime.world_size > 1 or runtime.launched:
         if runtime.device == "cuda":
             dist.init_process_group("nccl", device_id=torch.device("cuda", runtime.local_rank))
@@ -3042,13 +3044,14 @@ def build_trainer(args: Hyperparameters, runtime: Runtime, log_file: Path, repla
 COMPILE_CACHE_DIRS = ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR", "TRITON_CACHE_DIR")
 INDUCTOR_DIR_ENTRY = "inductor_cache_dir.txt"  # the Inductor folder the bundle was written from
 
-def default_kernel_cache_dirs(env=os.environ) -> None:
+def default_kernel_cache_dirs(env=os.environ, triton: bool = True) -> None:
     """Name every kernel-cache folder before anything compiles (a bundle restores and carries them): the folder each
-    owner would pick anyway, and for Triton the one Inductor sets for this rank's GPU (our kernels then share it)."""
+    owner would pick anyway, and for Triton (unless triton=False: it imports Inductor, seconds) the one Inductor sets
+    for this rank's GPU (our kernels then share it)."""
     user_tmp = Path(tempfile.gettempdir()) / getpass.getuser()
     env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(user_tmp / "flash_attention_cute_dsl_cache"))
     env.setdefault("QUACK_CACHE_DIR", str(user_tmp / "quack_cache"))
-    if "TRITON_CACHE_DIR" not in env:
+    if triton and "TRITON_CACHE_DIR" not in env:
         try:
             from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
             env["TRITON_CACHE_DIR"] = triton_cache_dir(int(env.get("LOCAL_RANK", 0)))
@@ -3064,7 +3067,6 @@ def own_triton_kernels() -> set:
 def relocated_triton_group(data: bytes, folder: Path) -> bytes:
     """A Triton cache entry's group file lists its files by absolute path: point them into the folder restored here
     (Triton takes an entry whose files are missing for a miss and compiles again)."""
-    import json
     group = json.loads(data)
     group["child_paths"] = {name: str(folder / Path(path).name) for name, path in group["child_paths"].items()}
     return json.dumps(group).encode()
@@ -3116,8 +3118,6 @@ def place_autotune_results(keys: list, origin: str) -> str:
 
 def load_compile_cache(path: Path) -> tuple[bool, str]:
     """(loaded, one line for the log). Restores the kernel-cache folders whose variable is set here."""
-    import json
-    import zipfile
     if not path.is_file():
         return False, f"compile cache: {path} not found; it will be written after the warm-up"
     try:
@@ -3151,8 +3151,6 @@ def load_compile_cache(path: Path) -> tuple[bool, str]:
 def save_compile_cache(path: Path) -> str:
     """Write the bundle atomically (rank 0, after the warm-up), through a new temporary file of its own in the same
     folder; returns the line for the log."""
-    import json
-    import zipfile
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return f"compile cache: nothing was compiled, {path} not written"
@@ -3191,7 +3189,7 @@ def compile_cache_after_warm_up(path: Path | None, loaded: bool) -> str:
 
 def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
     """(bundle path or None, loaded, line for the log), before anything compiles; run() and bench/bench.py share it."""
-    default_kernel_cache_dirs()  # FA4 and quack read theirs at import: before resolve_runtime imports them
+    default_kernel_cache_dirs()  # bench.py: before resolve_runtime imports FA4 and quack, which read theirs at import
     if not args.compile_cache:
         return None, False, ""
     path = Path(args.compile_cache)
@@ -3208,8 +3206,10 @@ def run(args: Hyperparameters) -> None:
               f"data {args.data_path if args.check else 'not checked'}", flush=True)
         return
     check_outputs(args)
-    cache_path, cache_loaded, cache_line = open_compile_cache(args)
+    default_kernel_cache_dirs(triton=False)  # FA4 and quack read theirs at import: before resolve_runtime imports them
     runtime = resolve_runtime(args)
+    find_data(args, runtime)  # bad data is refused before the compile cache's imports (build_trainer reads it again)
+    cache_path, cache_loaded, cache_line = open_compile_cache(args)
     run_id = args.run_id or str(uuid.uuid4())
     trainer = build_trainer(args, runtime, log_path(args, run_id), replace_log=args.replace_log)
     log = trainer.log

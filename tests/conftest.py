@@ -105,20 +105,20 @@ def pytest_configure(config):
 # idles. The files below (the slowest, slowest first; seconds on 2 busy cores, natively) are started before the
 # rest, which follow in collection order; xdist's own ordering, by the number of tests in a file, is turned off.
 SLOW_FILES_FIRST = (
-    "test_smoke_e2e.py",       # 180: the 2-process smoke run
-    "test_cuda_graphs.py",     # 100: the graph checks, two of them on two ranks
-    "test_run_sh.py",          # 60: ./run.sh launch, for real
+    "test_smoke_e2e.py",       # 110: the 2-process smoke run
+    "test_run_sh.py",          # 65: ./run.sh launch, for real
     "test_model.py",           # 55: a compiled model
-    "test_compile_cache.py",   # 55: fresh processes that compile
-    "test_cli_and_errors.py",  # 55: the script as a user runs it, under torchrun too
-    "test_mlp_kernels.py",     # 40: a compiled model
-    "test_run_guards.py",      # 40: four trainers side by side
-    "test_data_download.py",   # 35
-    "test_records.py",         # 35
-    "test_faults.py",          # 25: two 2-process runs
-    "test_triton_kernels.py",  # 25: the Triton interpreter
-    "test_fp8.py",             # 20: the Triton interpreter
+    "test_compile_cache.py",   # 50: fresh processes that compile
+    "test_records.py",         # 45
+    "test_data_download.py",   # 40
+    "test_cuda_graphs.py",     # 35: the graph checks, two of them on two ranks
+    "test_cli_and_errors.py",  # 35: the script as a user runs it, under torchrun too
+    "test_mlp_kernels.py",     # 30: a compiled model
+    "test_faults.py",          # 30: two 2-process runs
+    "test_run_guards.py",      # 25: four trainers side by side
+    "test_fp8.py",             # 25: the Triton interpreter
     "test_suite_guards.py",    # 20: planted suites
+    "test_triton_kernels.py",  # 15: the Triton interpreter
 )
 
 

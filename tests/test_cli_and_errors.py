@@ -278,6 +278,17 @@ def test_error_missing_data_folder(tmp_path):
     assert r.stdout == "" and list(tmp_path.iterdir()) == []
 
 
+def test_bad_data_and_a_bad_runtime_are_refused_before_inductor_is_imported(tmp_path):
+    """Refusals come before the compile cache's import of Inductor (and with it Dynamo): seconds per refused start."""
+    probe = ("import sys, train_gpt\n"
+             "for argv in (sys.argv[1:], sys.argv[1:] + ['--compile', 'on']):\n"
+             "    print(train_gpt.main(argv), 'torch._inductor' in sys.modules)")
+    r = run_group([sys.executable, "-c", probe, *smoke_args(tmp_path / "missing", tmp_path)], cwd=tmp_path,
+                  env=child_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+    assert r.stdout.splitlines() == ["2 False", "2 False"], r.stderr
+    assert "does not exist" in r.stderr and "--compile on needs a CUDA GPU" in r.stderr
+
+
 def test_error_empty_data_folder(main, tmp_path):
     (tmp_path / "empty").mkdir()
     refused(main(smoke_args(tmp_path / "empty", tmp_path)), "no training shards")

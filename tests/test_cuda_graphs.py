@@ -62,10 +62,12 @@ def trainer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("graphs")
     build_shards(folder / "data", train_shards=1, tokens_per_train_shard=80_000, val_tokens=10_000)
     # two stages and the extension, micro-batches of 16 and 32 tokens: the CPU's time goes to the op count of a
-    # micro-batch (twelve layers, forward and backward), so fewer of them, not fewer tokens, make the tests fast
-    args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0",
-                          "--train-bs-schedule", "128,256", "--ws-schedule", "3,7", "--lr-plateaus", "1,1.5",
-                          "--lr-plateau-starts", "0,0.5", "--train-bs-extension", "256", "--train-max-seq-len", "128",
+    # micro-batch (twelve layers, forward and backward) and to the optimizers' passes over the five vocab x width
+    # tables, so fewer micro-batches and a 64-wide model (one head), not fewer tokens, make the tests fast
+    args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0", "--model-dim", "64",
+                          "--num-heads", "1", "--train-bs-schedule", "128,256", "--ws-schedule", "3,7",
+                          "--lr-plateaus", "1,1.5", "--lr-plateau-starts", "0,0.5", "--train-bs-extension", "256",
+                          "--train-max-seq-len", "128",
                           "--data-path", str(folder / "data"), "--log-dir", str(folder / "logs")])
     # two micro-batches a step (as at four ranks) instead of one process's eight: what the graphs do with a step's
     # first, later and last micro-batch is the same, at a quarter of the CPU time (four a step at two ranks: below)
@@ -380,8 +382,8 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data, one_micro_batch=F
     reduce-scattering one (the last of each odd step) is captured in step 1 and replayed in steps 3 and 5.
     one_micro_batch: each rank runs one micro-batch a step, as on 8 GPUs (the graphs write the gradients they start):
     each key is captured in step 0 or 1."""
-    args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0",
-                          "--train-bs-schedule", "128,256,384", "--train-bs-extension", "384",
+    args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0", "--model-dim", "64",
+                          "--num-heads", "1", "--train-bs-schedule", "128,256,384", "--train-bs-extension", "384",
                           "--train-max-seq-len", "128", "--data-path", str(data)])
     runtime = tg.resolve_runtime(args, env={"WORLD_SIZE": str(world_size), "RANK": str(rank)})
     batch_size = tg.stages(args)[0].batch_size

@@ -384,6 +384,37 @@ def test_forward_backward_grads_for_all_params():
     assert torch.all(g[12:14] == 0) and torch.all(g[36:38] == 0) and torch.all(g[36 + 14:36 + 16] == 0)
 
 
+def test_bf16_cpu_gemms_run_in_fp32_rounded_once_inside_the_context_and_on_atens_kernels_after_it(monkeypatch):
+    """Inside bf16_gemms_in_fp32() each GEMM op (mm, addmm, bmm, baddbmm; the backward's too) is an fp32 GEMM of the
+    widened bf16 operands rounded once, an fp32 GEMM is ATen's as it was; after it no GEMM reaches those kernels."""
+    calls = []
+    made = tg.gemm_in_fp32
+    monkeypatch.setattr(tg, "gemm_in_fp32", lambda op: lambda *a, **k: calls.append(op.name()) or made(op)(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    a, b, bias = torch.randn(2, 48, 64, generator=g), torch.randn(2, 64, 40, generator=g), torch.randn(40, generator=g)
+    a16, b16, bias16 = a.bfloat16(), b.bfloat16(), bias.bfloat16()
+    x = a16[0].clone().requires_grad_()
+    w = b16[0].t().contiguous().requires_grad_()
+    gy = torch.randn(48, 40, generator=g).bfloat16()
+    with tg.bf16_gemms_in_fp32():
+        got = [torch.mm(a16[0], b16[0]), torch.addmm(bias16, a16[0], b16[0]), torch.bmm(a16, b16),
+               torch.baddbmm(bias16, a16, b16), torch.mm(a[0], b[0])]
+        F.linear(x, w).backward(gy)
+    wide = [t.float() for t in (a16, b16, bias16)]
+    expected = [torch.mm(wide[0][0], wide[1][0]).bfloat16(), torch.addmm(wide[2], wide[0][0], wide[1][0]).bfloat16(),
+                torch.bmm(wide[0], wide[1]).bfloat16(), torch.baddbmm(wide[2], wide[0], wide[1]).bfloat16(),
+                torch.mm(a[0], b[0])]
+    for name, mine, theirs in zip(("mm", "addmm", "bmm", "baddbmm", "fp32 mm"), got, expected):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), name
+    assert torch.equal(x.grad, gy.float().mm(w.float()).bfloat16())
+    assert torch.equal(w.grad, x.float().t().mm(gy.float()).t().bfloat16())
+    assert {"aten::mm.out", "aten::addmm.out", "aten::bmm.out", "aten::baddbmm.out"} == set(calls)
+    seen = len(calls)
+    torch.mm(a16[0], b16[0]), torch.bmm(a, b)
+    F.linear(x, w).backward(gy)
+    assert len(calls) == seen
+
+
 def test_gpt_supports_module_apply():
     m = make_model(max_seq_len=16)
     seen = []
