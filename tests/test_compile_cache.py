@@ -2,6 +2,7 @@
 instead of compiling, and that is ignored, with one log line, whenever it does not fit."""
 import json
 import os
+import shutil
 import sys
 import sysconfig
 import zipfile
@@ -84,7 +85,6 @@ def two_machines(tmp_path_factory):
     (a / "triton" / "KEY3" / LAUNCHER).write_bytes(b"compiled C module")  # Triton's gcc-built launcher: travels
     saved = run_process("save", bundle, a)
     inductor_dir_entry = zipfile.ZipFile(bundle).read(tg.INDUCTOR_DIR_ENTRY).decode()
-    import shutil
     shutil.rmtree(a)  # a fresh machine has no such folder
     loaded = run_process("load", bundle, b)
     at_origin = run_process("load-only", bundle, a)
