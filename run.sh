@@ -52,6 +52,18 @@ die() {  # die EXIT_CODE MESSAGE: one line on stderr
     exit "$1"
 }
 
+# Every command but help runs $PY: one that cannot be run would fail part-way, as a bare shell error (status 127).
+# command -v only looks it up, no process started. Help needs no Python, and a word that is no command is reported
+# as that (below).
+case "${1:-}" in
+    -h | --help | help) ;;
+    *)
+        if [[ ${1:-} == -* || ", $COMMANDS, " == *", ${1:-train}, "* ]] && ! command -v "$PY" >/dev/null 2>&1; then
+            [ -z "${PYTHON:-}" ] || die 2 "PYTHON=$PYTHON names no runnable interpreter (not found, or not executable); set PYTHON=/path/to/python3, or unset it to use python3 from PATH"
+            die 2 "python3 is not on PATH (and PYTHON is not set); install Python 3, or set PYTHON=/path/to/python3"
+        fi ;;
+esac
+
 num_gpus() {
     # nvidia-smi missing, or present but failing (no driver), both mean no usable GPU.
     if command -v nvidia-smi >/dev/null 2>&1; then
@@ -155,35 +167,58 @@ launch() {  # launch NPROC [train_gpt.py args...]: the check, then NPROC workers
 import logging, os, signal, sys  # quiet_torchrun NPROC SCRIPT [ARGS...]
 
 # Until torchrun installs its own handlers (before it starts a worker), a signal has nothing to stop but this.
-for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+def interrupted(signum, frame):
+    print(f"interrupted by {signal.Signals(signum).name} while starting", flush=True)
+    os._exit(128 + signum)
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, interrupted)
 
+import uuid
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
+import train_gpt
 
 # torchrun's modules set their loggers' levels, and torch its own handlers, each on import: only the process-wide
 # switch holds for all of them. This process runs nothing but torchrun.
 logging.disable(logging.ERROR)
 
-TRAINER_REPORTS = {2, 3, 130, 143}  # bad input, non-finite loss, SIGINT, SIGTERM: the trainer said why itself
+# The trainer said why itself: bad input, a non-finite loss, a full disk, another rank gone first, the signals.
+TRAINER_REPORTS = {2, 3, 4, train_gpt.PeerGone.status, 129, 130, 143}
 nproc, script, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+# The workers die with this process (train_gpt.die_with_the_launcher), which names itself so that they can tell.
+os.environ[train_gpt.LAUNCHER_PID_ENV] = str(os.getpid())
+# The run id is picked here when not given: a rank that dies without a word is then named in its run's log.
+settings = train_gpt.parse_args(args)  # the check passed: no error here
+if not settings.run_id:
+    args += ["--run-id", str(uuid.uuid4())]
+log = train_gpt.log_path(settings, settings.run_id or args[-1])
+log_before = train_gpt.file_identity(log)
 try:
     # torchrun's default of OMP_NUM_THREADS=1 per worker (where unset) still applies, without its warning.
     run(get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", script, *args]))
     status = 0
 except ChildFailedError as e:
-    rank, failure = e.get_first_failure()  # the others were stopped by torchrun after it
-    status = failure.exitcode
+    # The first rank to fail. torchrun stops the others with SIGTERM, and a rank whose collective failed because
+    # another had ended stops too: those are not the cause, though they may fail within the same second (the
+    # failures' time is in whole seconds).
+    consequences = (-signal.SIGTERM, 128 + signal.SIGTERM, train_gpt.PeerGone.status)
+    causes = sorted((f.timestamp, r) for r, f in e.failures.items() if f.exitcode not in consequences)
+    rank, failure = (causes[0][1], e.failures[causes[0][1]]) if causes else e.get_first_failure()
+    status, said = failure.exitcode, ""
     if status < 0:
         try:
             name = signal.Signals(-status).name
         except ValueError:
             name = f"signal {-status}"
-        print(f"run.sh: rank {rank} was killed by {name} (its output is above)", file=sys.stderr)
+        said = f"rank {rank} was killed by {name}"
         status = 128 - status
     elif status not in TRAINER_REPORTS:
-        print(f"run.sh: rank {rank} exited with status {status} (its output is above)", file=sys.stderr)
+        said = f"rank {rank} exited with status {status}"
+    if said:
+        print(f"run.sh: {said} (its output is above)", file=sys.stderr)
+        if train_gpt.file_identity(log) != log_before:  # this run's log, not an earlier one of its run id
+            train_gpt.end_log_of_a_dead_run(log, f"stopped: {said}")
 except SignalException as e:  # Ctrl-C or a SIGTERM to torchrun: it has already stopped the workers
     status = 128 + e.sigval
 sys.exit(status)
@@ -307,7 +342,9 @@ TEST_SUITE_LIMIT_MIN=60  # the suite: 5-7 minutes on 2 idle cores, 27 on 2 cores
 run_tests() {
     # find_spec only looks the packages up (no torch import), so this check costs milliseconds.
     local missing
-    missing=$("$PY" -c 'import importlib.util as u; print(" ".join(m for m in ("pytest", "xdist", "torch", "triton", "numpy", "tiktoken") if u.find_spec(m) is None))') \
+    # Printed as the packages to install: pytest-timeout's module is pytest_timeout (without it pytest.ini's per-test
+    # limit is silently off), pytest-xdist's xdist.
+    missing=$("$PY" -c 'import importlib.util as u; print(", ".join(p for m, p in (("pytest", "pytest"), ("xdist", "pytest-xdist"), ("pytest_timeout", "pytest-timeout"), ("torch", "torch"), ("triton", "triton"), ("numpy", "numpy"), ("tiktoken", "tiktoken")) if u.find_spec(m) is None))') \
         || die 2 "cannot run $PY; set PYTHON=/path/to/python"
     if [ -n "$missing" ]; then
         die 2 "the test environment is not set up ($missing not installed for $PY); run ./run.sh setup-cpu first (CPU torch + requirements-dev.txt), or $PY -m pip install -r requirements-dev.txt where torch is already installed"
@@ -322,8 +359,11 @@ run_tests() {
     # interrupted as Ctrl-C would, and killed a minute later. timeout puts the suite in a process group of its own
     # (workers and what they fork included) that it signals whole; the terminal's Ctrl-C then reaches only this
     # shell, so the suite runs in the background and the traps below pass INT and TERM on, as INT (pytest cleans up).
+    # The arguments go to pytest as given: with no path among them, pytest.ini's testpaths picks tests/ (run.sh runs
+    # from the repository root, pytest's rootdir); a `tests` of our own would add the whole suite to
+    # `./run.sh test tests/test_x.py`.
     SPEEDRUN_TEST_RUN_DIR=$dir timeout --signal=INT --kill-after=60 "${TEST_SUITE_LIMIT_MIN}m" \
-        "$PY" -m pytest -q -n auto --dist loadfile tests "$@" &
+        "$PY" -m pytest -q -n auto --dist loadfile "$@" &
     pid=$!
     trap 'stop=130; kill -INT "$pid" 2>/dev/null || true' INT
     trap 'stop=143; kill -INT "$pid" 2>/dev/null || true' TERM

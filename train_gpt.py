@@ -28,6 +28,61 @@ preconditioning from Bernd Prach and Christoph Lampert. NorMuon: Zichong Li et a
 Chen et al. YaRN: Bowen Peng et al. FlashAttention: Tri Dao et al. FineWeb: Guilherme Penedo et al.
 """
 import os
+import signal
+import sys
+
+# A process's first lines. Importing torch takes seconds: from here on, a stop signal ends the process with one line
+# (not a KeyboardInterrupt traceback from inside an import), and a worker started by torchrun dies with its launcher
+# (torchrun gives each worker a session of its own, so a launcher killed with SIGKILL would leave them training on).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+LAUNCHER_DIED = signal.SIGUSR2              # the parent-death signal: one of its own, so that the log can say why
+LAUNCHER_PID_ENV = "SPEEDRUN_LAUNCHER_PID"  # set by ./run.sh launch: the process that starts the workers
+STARTED_BY = os.getppid()
+
+def env_rank() -> int:
+    """This process's RANK, where the launcher's variables describe a process of a run (else 0: it speaks for itself,
+    and resolve_runtime refuses the variables in one line)."""
+    try:
+        world, rank, local = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", "1"), ("RANK", "0"),
+                                                                      ("LOCAL_RANK", "0")))
+    except ValueError:
+        return 0
+    return rank if 0 <= local <= rank < world else 0
+
+def launcher_gone() -> bool:
+    """Whether the process that started this worker has died: exactly under ./run.sh launch, which names itself;
+    under torchrun alone, a parent of pid 1 that is not torchrun (as a container's first process) means it did."""
+    expected = os.environ.get(LAUNCHER_PID_ENV)
+    if expected:
+        return expected != str(os.getppid())
+    if os.getppid() != 1:
+        return False
+    try:
+        return b"torch" not in open("/proc/1/cmdline", "rb").read()
+    except OSError:
+        return False
+
+def exit_while_starting(signum, frame):
+    if env_rank() == 0:
+        said = "stopped while starting: the launcher died" if signum == LAUNCHER_DIED else \
+            f"interrupted by {signal.Signals(signum).name} while starting"
+        print(said, flush=True)  # on stdout, as the log's last line is echoed: errors alone go to stderr
+    os._exit(128 + signum)
+
+def die_with_the_launcher() -> None:
+    """Under torchrun on Linux: the launcher's death sends LAUNCHER_DIED (PR_SET_PDEATHSIG), and a launcher that died
+    before that line is caught by the check after it."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    ctypes.CDLL(None).prctl(1, int(LAUNCHER_DIED))  # 1: PR_SET_PDEATHSIG
+    if launcher_gone():
+        os.kill(os.getpid(), LAUNCHER_DIED)
+
+if __name__ == "__main__":
+    for s in (*STOP_SIGNALS, LAUNCHER_DIED):
+        signal.signal(s, exit_while_starting)
+    die_with_the_launcher()
 
 # Must be set before torch initialises CUDA: fewer fragmentation stalls when batch sizes change.
 os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
@@ -40,6 +95,8 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import errno
+import fcntl
 import functools
 import gc
 import getpass
@@ -49,9 +106,9 @@ import inspect
 import json
 import math
 import re
-import signal
+import shutil
+import stat
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import time
@@ -88,6 +145,8 @@ def setting(default, help, within: str = None, choices: tuple = None, length: in
     return field(default=default, metadata=dict(help=help, choices=choices, within=within, length=length))
 
 COUNT, NONNEGATIVE, BELOW_ONE = "[1, inf)", "[0, inf)", "[0, 1)"   # the intervals most settings live in
+INT_LIMIT = 2**31 - 1  # the largest count or size a setting takes: token counts and windows are 32-bit on the device
+SEED_LIMIT = 2**64 - 1  # torch.manual_seed's largest seed
 
 @dataclass
 class Hyperparameters:
@@ -207,6 +266,9 @@ class ConfigError(ValueError):
     """Bad user input: reported as one line on rank 0, never a traceback."""
 
 class ArgumentParser(argparse.ArgumentParser):
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)  # --val-loss is not --val-loss-every: a flag is named whole
+
     def error(self, message):  # one line through main()'s error path instead of usage + message on every rank
         raise ConfigError(f"{message} (see --help)")
 
@@ -269,6 +331,16 @@ def validate_args(args: Hyperparameters):
         if meta["within"] is not None:
             need(all(in_interval(v, meta["within"]) for v in values),
                  f"{flag} must be in {meta['within']}{' (each value)' if len(values) > 1 else ''}, got {shown}")
+        if f.name != "seed" and all(type(v) is int for v in values):
+            need(all(v <= INT_LIMIT for v in values), f"{flag} must be at most {INT_LIMIT} (2^31-1), got {shown}")
+    need(args.seed <= SEED_LIMIT, f"--seed must be at most {SEED_LIMIT} (2^64-1, torch's largest seed), got {args.seed}")
+    longest_window = max(*args.ws_schedule, args.ws_final, args.ws_validate_post_yarn_ext)
+    need(longest_window * args.block_size <= INT_LIMIT,
+         f"the longest attention window, {longest_window} blocks of --block-size {args.block_size}, must be at most "
+         f"{INT_LIMIT} tokens (2^31-1): lower --block-size or the windows")
+    need(float(np.float32(args.adam_eps)) >= float(np.finfo(np.float32).tiny),
+         f"--adam-eps {args.adam_eps} is below the smallest normal float32 ({np.finfo(np.float32).tiny:.3g}), where "
+         "Adam adds it: raise it")
     need(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", args.run_id) or args.run_id == "",
          f"--run-id {args.run_id!r} is not a plain file name: use letters, digits, '.', '_' and '-' (it names "
          f"<log-dir>/<run-id>.txt)")
@@ -1979,7 +2051,11 @@ def read_shard_header(path) -> int:
     """Check a shard's header and size; return its token count."""
     path = Path(path)
     try:
-        size = path.stat().st_size
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read below for ever
+            raise ShardError(f"shard {path} is not a regular file (a folder, FIFO or device): move it out of the data "
+                             "folder or narrow --train-files/--val-files")
+        size = info.st_size
         with open(path, "rb") as f:
             raw = f.read(HEADER_INTS * 4)
     except OSError as e:
@@ -1996,6 +2072,32 @@ def read_shard_header(path) -> int:
         raise ShardError(f"shard {path} is {size} bytes but its header promises {num_tokens} tokens "
                          f"({expected} bytes): truncated or corrupt, re-download or rebuild it")
     return num_tokens
+
+SCAN_CHUNK_TOKENS = 1 << 24
+
+def scan_shard(path, vocab_size: int, documents: bool) -> None:
+    """What a shard's header cannot show, in one vectorised pass (--check): every token id below vocab_size, 16-bit
+    tokens (not 32-bit ones under a header that counts twice as many: every other id would be 0) and, in a training
+    shard (documents), the <|endoftext|> token that starts every document."""
+    num_tokens = read_shard_header(path)
+    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(num_tokens,)) if num_tokens else \
+        np.zeros(0, dtype="<u2")
+    documents_seen, odd_ids_nonzero = 0, False
+    for start in range(0, num_tokens, SCAN_CHUNK_TOKENS):
+        chunk = tokens[start:start + SCAN_CHUNK_TOKENS]
+        top = int(chunk.max())
+        if top >= vocab_size:
+            where = start + int(np.argmax(chunk >= vocab_size))
+            raise ShardError(f"shard {path} holds token id {int(tokens[where])} at position {where}, not below "
+                             f"--vocab-size {vocab_size}: rebuild it with this tokenizer, or raise --vocab-size")
+        documents_seen += int(np.count_nonzero(chunk == BOS_ID))
+        odd_ids_nonzero = odd_ids_nonzero or bool(chunk[1::2].any())  # chunks start at even positions
+    if num_tokens >= 2 * HEADER_INTS and not odd_ids_nonzero:
+        raise ShardError(f"shard {path}: every other token id is 0, as when 32-bit tokens are read as 16-bit ones: "
+                         "the format holds uint16 tokens (data/fineweb.py writes it)")
+    if documents and documents_seen == 0:
+        raise ShardError(f"training shard {path} holds no <|endoftext|> ({BOS_ID}), which starts every document: "
+                         "rebuild it with data/fineweb.py")
 
 def load_data_shard(path, pin_memory: bool = False) -> Tensor:
     """Read a shard's tokens straight into a (optionally pinned) uint16 tensor, no intermediate bytes."""
@@ -2087,7 +2189,7 @@ class ShardLoader:
     in a background thread while the current one is in use."""
 
     def __init__(self, files: list, world_size: int, epochs: int = 1, pin_memory: bool = False):
-        self.files = [f for _ in range(epochs) for f in files]
+        self.files, self.passes = files, len(files) * epochs  # shard k of the run is files[k % len(files)]
         self.world_size, self.pin_memory = world_size, pin_memory
         self.next_file = 0
         self._next = None  # the next shard's (tokens, BOSFinder), loading in the background
@@ -2097,14 +2199,14 @@ class ShardLoader:
         return tokens, BOSFinder(tokens, self.world_size, quickload=quickload)
 
     def _start_preload(self):
-        if self.next_file < len(self.files):
-            self._next = in_background(self._load, self.files[self.next_file], False)
+        if self.next_file < self.passes:
+            self._next = in_background(self._load, self.files[self.next_file % len(self.files)], False)
             self.next_file += 1
         else:
             self._next = None
 
     def first(self):
-        if not self.files:
+        if not self.passes:
             raise DataExhausted("no training files")
         self.next_file = 1
         current = self._load(self.files[0], quickload=True)
@@ -2113,7 +2215,7 @@ class ShardLoader:
 
     def advance(self):
         if self._next is None:
-            raise DataExhausted(f"the training data ran out after {len(self.files)} shard(s): use more shards or "
+            raise DataExhausted(f"the training data ran out after {self.passes} shard(s): use more shards or "
                                 "--train-epochs N to cycle over them, or shorten the schedule")
         current = self._next.result()  # a loading error is raised here, in the training thread
         self._start_preload()
@@ -2274,28 +2376,226 @@ PROCESS_START = process_start_time()  # for the cold-start figure in the log
 
 SEPARATOR = "=" * 100
 
-class Logger:
-    """Rank 0 writes the log file (script source first, then the run) and echoes run lines to the console. The file
-    is created exclusively: a log of the same name is never written over, unless `replace` says so."""
+LOG_SIGNATURE = '"""speedrun:'  # how every log starts: the source of the script that wrote it, whose first line this is
 
-    def __init__(self, path, master: bool, replace: bool = False):
-        self.path, self.master = Path(path), master
-        if master:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if replace:
-                self.path.unlink(missing_ok=True)
+def is_our_log(path: Path) -> bool:
+    """A log this trainer wrote: a regular file that starts with LOG_SIGNATURE."""
+    try:
+        with open(path, "rb") as f:
+            return stat.S_ISREG(os.fstat(f.fileno()).st_mode) and f.read(len(LOG_SIGNATURE)) == LOG_SIGNATURE.encode()
+    except OSError:
+        return False
+
+CHECKPOINT_FILE = re.compile(r"state_step\d+\.pt|\.state_step\d+\.pt\..+\.tmp")  # save_checkpoint's names
+
+def is_our_checkpoint_folder(folder: Path) -> bool:
+    """A checkpoint folder this trainer wrote: a real folder holding only save_checkpoint's files."""
+    return folder.is_dir() and not folder.is_symlink() and \
+        all(f.is_file() and CHECKPOINT_FILE.fullmatch(f.name) for f in folder.iterdir())
+
+def make_folders(folder: Path) -> list:
+    """mkdir -p, returning the folders it created (deepest last)."""
+    missing = []
+    while not os.path.lexists(folder) and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for f in reversed(missing):
+        f.mkdir(exist_ok=True)
+    return list(reversed(missing))
+
+class RunLock:
+    """An exclusive lock (flock) on <log-dir>/<run-id>.lock, taken by rank 0 before anything is written and held for
+    the run's whole life: a second run of the same run id is refused, with or without --replace-log, instead of
+    replacing or interleaving the first one's log. The kernel drops a lock with its process, so a killed run leaves
+    only a stale file that the next run takes over; a .lock file this trainer did not write is never touched."""
+    SIGNATURE = b"speedrun run lock: "
+    held = None  # this process's lock: main() releases it however the run ends
+
+    def __init__(self, path: Path, fd: int, made: list):
+        self.path, self.fd, self.made = path, fd, made
+
+    @staticmethod
+    def path_for(log_file: Path) -> Path:
+        return log_file.with_suffix(".lock")
+
+    @staticmethod
+    def same_file(fd: int, path: Path) -> bool:
+        try:
+            a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        except OSError:
+            return False
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+    @classmethod
+    def refusal(cls, fd: int, path: Path, run_id: str) -> ConfigError | None:
+        """Why a run may not take this lock file (None: it may): not ours, or held by a run still going."""
+        if os.pread(fd, len(cls.SIGNATURE), 0) != cls.SIGNATURE:
+            return ConfigError(f"{path} exists and is not a run lock of this trainer: move it away, or pick another "
+                               "--run-id")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0)[len(cls.SIGNATURE):].decode(errors="replace").strip()
+            return ConfigError(f"--run-id {run_id} is in use by a run still going ({holder}): wait for it to end, or "
+                               "pick another --run-id")
+        return None
+
+    @classmethod
+    def check(cls, log_file: Path) -> None:
+        """Refuse as acquire() would, writing nothing (--check)."""
+        path = cls.path_for(log_file)
+        if not os.path.lexists(path):
+            return
+        if path.is_symlink() or not path.is_file():
+            raise ConfigError(f"{path} exists and is not a run lock of this trainer: move it away, or pick another "
+                              "--run-id")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            refusal = cls.refusal(fd, path, log_file.stem)
+        finally:
+            os.close(fd)
+        if refusal:
+            raise refusal
+
+    @classmethod
+    def acquire(cls, log_file: Path) -> "RunLock":
+        path = cls.path_for(log_file)
+        made = make_folders(path.parent)
+        try:
+            while True:
+                fd = cls.open_or_create(path)
+                refusal = cls.refusal(fd, path, log_file.stem)
+                if refusal is None and cls.same_file(fd, path):
+                    break
+                os.close(fd)  # refused, or the file was removed by a run that ended meanwhile: take the new one
+                if refusal is not None:
+                    raise refusal
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, cls.SIGNATURE + f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+        except BaseException:
+            for folder in reversed(made):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
+        cls.held = cls(path, fd, made)
+        return cls.held
+
+    @classmethod
+    def open_or_create(cls, path: Path) -> int:
+        """The lock file, opened: created complete (a temporary file linked into place), so that no other run ever
+        sees it empty."""
+        while True:
+            with contextlib.suppress(FileNotFoundError):
+                return os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
             try:
-                open(self.path, "x").close()
+                os.write(fd, cls.SIGNATURE + b"starting\n")
+                os.link(tmp, path)
+                return fd
             except FileExistsError:
-                raise ConfigError(f"log {self.path} appeared while this run started: pick another --run-id") from None
+                os.close(fd)
+            finally:
+                os.unlink(tmp)
+
+    def release(self) -> None:
+        """Remove the file (while still holding it) and drop the lock; and the log folder, were it made for nothing."""
+        if self.fd is None:
+            return
+        if self.same_file(self.fd, self.path):
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        os.close(self.fd)
+        self.fd = None
+        for folder in reversed(self.made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only an empty one: the lock's, when the run stopped before its log
+        if RunLock.held is self:
+            RunLock.held = None
+
+def replace_earlier_run(log_file: Path) -> None:
+    """--replace-log: the earlier log of the run id and its checkpoint folder go, each only if this trainer wrote
+    it (check_outputs refused anything else; this runs again under the run's lock)."""
+    if os.path.lexists(log_file):
+        if not is_our_log(log_file):
+            raise ConfigError(f"{log_file} is not a log of this trainer: --replace-log replaces only those; move it "
+                              "away, or pick another --run-id")
+        log_file.unlink()
+    folder = log_file.with_suffix("")
+    if os.path.lexists(folder):
+        if not is_our_checkpoint_folder(folder):
+            raise ConfigError(f"{folder} holds files other than this trainer's checkpoints: move them away, or pick "
+                              "another --run-id")
+        shutil.rmtree(folder)
+
+def file_identity(path: Path) -> tuple | None:
+    """(device, inode, change time) of a file, None where there is none: a new file under the same name differs."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_ctime_ns
+
+def end_log_of_a_dead_run(log_file: Path, last_line: str) -> None:
+    """./run.sh launch, after a rank of the run ended without a word (SIGKILL, a crash): the run's log, where the run
+    got as far as making it, gets what happened as its last line (the run id's lock is free: the run is over)."""
+    if not is_our_log(log_file):
+        return
+    try:
+        lock = RunLock.acquire(log_file)
+    except (ConfigError, OSError):  # another run holds the run id by now
+        return
+    try:
+        with open(log_file, "a") as f:
+            f.write(last_line + "\n")
+    except OSError:
+        pass
+    finally:
+        lock.release()
+
+class Logger:
+    """Rank 0 writes the log file (script source first, then the run) and echoes run lines to the console. The file is
+    created exclusively, under the run id's lock: an earlier log of the run id is replaced only with `replace`, and
+    only if this trainer wrote it. close() writes the last line of a run that ended early and drops the lock."""
+    active = None  # this process's open log: main() closes it however the run ends
+
+    def __init__(self, path, master: bool, replace: bool = False, lock: RunLock = None):
+        self.path, self.master, self.lock, self.file = Path(path), master, lock, None
+        self.where = "while starting"  # what the run is doing, for the last line of a run that ends early
+        if not master:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if replace:
+            replace_earlier_run(self.path)
+        try:
+            self.file = open(self.path, "x")
+        except FileExistsError:
+            raise ConfigError(f"log {self.path} appeared while this run started: pick another --run-id") from None
+        Logger.active = self
 
     def __call__(self, text: str = "", console: bool = True):
-        if not self.master:
+        if self.file is None:
             return
         if console:
             print(text, flush=True)
-        with open(self.path, "a") as f:
-            f.write(text + "\n")
+        try:
+            self.file.write(text + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: the error names the log
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
+
+    def close(self, last_line: str = "", console: bool = True) -> None:
+        try:
+            if last_line:
+                self(last_line, console)
+        finally:
+            if self.file is not None:
+                with contextlib.suppress(OSError):
+                    self.file.close()
+                self.file = None
+            if self.lock is not None:
+                self.lock.release()
+            if Logger.active is self:
+                Logger.active = None
 
 def nvidia_smi() -> str:
     try:
@@ -2509,6 +2809,9 @@ class RunStopped(Exception):
     """The run ends early with a message for the log's last line and an exit status (no traceback)."""
     status = 1
 
+    def last_line(self, where: str) -> str:
+        return str(self)
+
 class TrainingDiverged(RunStopped):
     status = 3
 
@@ -2516,6 +2819,23 @@ class Interrupted(RunStopped):
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
         self.status = 128 + signum
+
+    def last_line(self, where: str) -> str:
+        return f"{self} {where}"
+
+class PeerGone(RunStopped):
+    """A collective failed because another rank ended: that rank's own output (or the launcher) says why."""
+    status = 5
+
+    def last_line(self, where: str) -> str:
+        return f"stopped {where}: another rank has ended (a collective failed)"
+
+class LauncherDied(RunStopped):
+    """The process that started this worker died (LAUNCHER_DIED, the parent-death signal)."""
+    status = 128 + LAUNCHER_DIED
+
+    def last_line(self, where: str) -> str:
+        return f"stopped {where}: the launcher died"
 
 @dataclass
 class Trainer:
@@ -2528,7 +2848,6 @@ class Trainer:
     val_file: str
     log: Logger
     graphs: MicroBatchGraphs = None   # --cuda-graphs: the training micro-batches as CUDA graphs
-    where: str = "while starting"     # what the run is doing, for an interrupt's message
 
     def console(self, text: str):
         if self.log.master:
@@ -2669,7 +2988,7 @@ class Trainer:
         t0 = time.perf_counter()
         with no_compiles_allowed(a.fail_on_recompile):
             for step in range(total + 1):
-                self.where = f"at step {step}"
+                log.where = f"at step {step}"
                 last = step == total
                 stage = table[stage_index(step, a)]
                 ws_short, ws_long = stage.ws_short, stage.ws_long
@@ -2698,7 +3017,7 @@ class Trainer:
                 watch.after_step(step, loss)
                 approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
                 log(f"step:{step + 1}/{total} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
-        self.where = "after the last step"
+        log.where = "after the last step"
         return RunResult(steps=total, val_loss=val_loss, train_time_ms=training_time_ms)
 
 
@@ -2873,11 +3192,26 @@ def pick_device(args: Hyperparameters) -> str:
         return "cpu"
     raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
 
+def launcher_variables(env) -> tuple[int, int, int]:
+    """(WORLD_SIZE, RANK, LOCAL_RANK) as torchrun sets them (1, 0, 0 without it), checked."""
+    values = {}
+    for name, default in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        text = env.get(name, default)
+        if not re.fullmatch(r"\d{1,9}", text.strip()):
+            raise ConfigError(f"{name}={text!r} is not a process count or rank: torchrun sets it; unset it to run one "
+                              "process, or launch with torchrun")
+        values[name] = int(text)
+    world, rank, local = values["WORLD_SIZE"], values["RANK"], values["LOCAL_RANK"]
+    if world < 1 or rank >= world or local > rank:
+        raise ConfigError(f"WORLD_SIZE={world}, RANK={rank}, LOCAL_RANK={local} do not describe a process of a run "
+                          "(a rank is below the world size): unset them to run one process, or launch with torchrun")
+    return world, rank, local
+
 def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
     """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read."""
-    world_size = int(env.get("WORLD_SIZE", 1))
+    world_size, rank, local_rank = launcher_variables(env)
     device = pick_device(args)
-    if device != args.device and device == "cpu" and int(env.get("RANK", 0)) == 0:
+    if device != args.device and device == "cpu" and rank == 0:
         print("note: no CUDA device found, so the smoke run trains on the CPU (--device cpu says so and silences "
               "this)", file=sys.stderr, flush=True)
     use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
@@ -2889,7 +3223,7 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
         raise ConfigError("--cuda-graphs on needs a CUDA GPU: use --cuda-graphs auto or off")
     fp8 = args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda")
     kernels, notes = resolve_kernels(args.kernels, device, fp8)
-    return Runtime(device=device, rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
+    return Runtime(device=device, rank=rank, local_rank=local_rank,
                    world_size=world_size, launched="RANK" in env, grad_accum_steps=grad_accum_steps_for(world_size),
                    compile=use_compile, fp8=fp8, kernels=kernels, kernel_notes=tuple(notes),
                    cuda_graphs=args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device == "cuda"
@@ -2898,14 +3232,22 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
 
 def check_writable(path: Path, what: str) -> None:
     """The folder `path` is, or would be created in, must be one this process can write in: checked before anything
-    is written or launched, so that a bad path is one line and not a traceback once the run has started."""
+    is written or launched, so that a bad path is one line and not a traceback once the run has started. Symbolic
+    links are followed; a loop or a link to nothing is refused."""
     existing = path
-    while not existing.exists() and existing != existing.parent:
+    while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
-    if not existing.is_dir():
+    try:
+        real = existing.resolve(strict=True)
+    except (OSError, RuntimeError) as e:  # RuntimeError: a loop, before Python 3.13
+        kind = "a symbolic link to nothing" if getattr(e, "errno", None) == errno.ENOENT else \
+            "a loop of symbolic links" if isinstance(e, RuntimeError) or e.errno == errno.ELOOP else \
+            f"out of reach ({e.strerror})"
+        raise ConfigError(f"{what} {path}: {existing} is {kind}; pick another path") from None
+    if not real.is_dir():
         raise ConfigError(f"{what} {path}: {existing} is a file, not a folder; pick another path")
     try:
-        with tempfile.TemporaryFile(dir=existing):
+        with tempfile.TemporaryFile(dir=real):
             pass
     except OSError as e:
         raise ConfigError(f"{what} {path}: cannot write in {existing} ({e.strerror or e}); pick a folder you can "
@@ -2915,45 +3257,74 @@ def log_path(args: Hyperparameters, run_id: str) -> Path:
     return Path(args.log_dir) / f"{run_id}.txt"
 
 def check_outputs(args: Hyperparameters) -> None:
-    """Where this run will write: the log folder, the log and checkpoint of --run-id (never written over unless
-    --replace-log), and the --compile-cache bundle (a file, or a new one in a writable folder)."""
+    """Where this run will write: the log folder; the log and checkpoint folder of --run-id (replaced only with
+    --replace-log, and only if this trainer wrote them), its lock (no run of it still going); and the --compile-cache
+    bundle (absent, or one of this trainer's, in a writable folder)."""
     check_writable(Path(args.log_dir), "--log-dir")
     if args.run_id:
-        for old in (log_path(args, args.run_id), Path(args.log_dir) / args.run_id):
-            if old.exists() and not args.replace_log:
+        log, folder = log_path(args, args.run_id), Path(args.log_dir) / args.run_id
+        for old in (log, folder):
+            if os.path.lexists(old) and not args.replace_log:
                 raise ConfigError(f"{old} exists (a run with --run-id {args.run_id}): pick another --run-id, or add "
                                   "--replace-log to replace it")
-            if old.exists() and not (old.is_file() if old.suffix == ".txt" else old.is_dir()):
-                raise ConfigError(f"{old} exists and is not a {'file' if old.suffix == '.txt' else 'folder'}: pick "
-                                  "another --run-id")
+        if os.path.lexists(log) and not log.is_file():
+            raise ConfigError(f"{log} exists and is not a file: pick another --run-id")
+        if os.path.lexists(log) and not is_our_log(log):
+            raise ConfigError(f"{log} is not a log of this trainer (it does not start with {LOG_SIGNATURE}): "
+                              "--replace-log replaces only those; move it away, or pick another --run-id")
+        if os.path.lexists(folder) and not folder.is_dir():
+            raise ConfigError(f"{folder} exists and is not a folder: pick another --run-id")
+        if os.path.lexists(folder) and not is_our_checkpoint_folder(folder):
+            raise ConfigError(f"{folder} holds files other than this trainer's checkpoints: move them away, or pick "
+                              "another --run-id")
+        RunLock.check(log)
     if args.compile_cache:
         bundle = Path(args.compile_cache)
-        if bundle.exists() and not bundle.is_file():
+        if bundle.is_dir():
             raise ConfigError(f"--compile-cache {bundle} is a folder, not a file: name the bundle's file, e.g. "
                               f"{bundle / 'compile_cache.zip'}")
+        if os.path.lexists(bundle) and not is_our_bundle(bundle):
+            raise ConfigError(f"--compile-cache {bundle} exists and is not a compile-cache bundle of this trainer: "
+                              "name a new file (it is written after the warm-up) or one an earlier run wrote")
         check_writable(bundle.parent, "--compile-cache")
 
-def find_data(args: Hyperparameters, runtime: Runtime):
+def tokens_needed(args: Hyperparameters) -> int:
+    """Training tokens the whole schedule consumes: each stage's batch size times its steps."""
+    table, total = stages(args), args.num_iterations
+    ends = [s.first_step for s in table[1:]] + [total]
+    return sum(s.batch_size * max(0, min(end, total) - s.first_step) for s, end in zip(table, ends))
+
+def find_data(args: Hyperparameters, runtime: Runtime, scan: bool = False):
     """Check the data before any process group exists or any file is written. Every rank reads the same headers,
-    so a problem is a ConfigError (reported once, by rank 0)."""
+    so a problem is a ConfigError (reported once, by rank 0). scan (--check): every token of every shard too."""
     folder = Path(args.data_path)
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"--data-path {folder} is a file: give the folder that holds the shards")
     if not folder.is_dir():
         raise ConfigError(f"data folder {folder} does not exist: run `python data/cached_fineweb10B.py 9` "
                           "(FineWeb) or `./run.sh proxy` and pass --data-path data/proxy")
-    train_files = sorted(glob.glob(str(folder / args.train_files)))
-    val_files = sorted(glob.glob(str(folder / args.val_files)))
+    # The folder is taken literally (its '[', '*' or '?' are no pattern); the file patterns are globs inside it.
+    train_files = sorted(glob.glob(os.path.join(glob.escape(str(folder)), args.train_files)))
+    val_files = sorted(glob.glob(os.path.join(glob.escape(str(folder)), args.val_files)))
     if not train_files or not val_files:
         raise ConfigError(f"no {'training' if not train_files else 'validation'} shards matching "
                           f"{folder / (args.train_files if not train_files else args.val_files)}: "
                           "download or build them first (see README)")
+    real_val = {os.path.realpath(f): f for f in val_files}
+    both = [f for f in train_files if os.path.realpath(f) in real_val]
+    if both:
+        raise ConfigError(f"{both[0]} matches both --train-files {args.train_files!r} and --val-files "
+                          f"{args.val_files!r}: training on the validation data would void the metric; narrow them")
     try:
         train_tokens = sum(read_shard_header(f) for f in train_files)
         val_tokens = read_shard_header(val_files[0])
+        if scan:
+            for f in train_files:
+                scan_shard(f, args.vocab_size, documents=True)
+            scan_shard(val_files[0], args.vocab_size, documents=False)
     except ShardError as e:
         raise ConfigError(str(e)) from None
-    needed = sum(get_bs(s, args) for s in range(args.num_iterations))
+    needed = tokens_needed(args)
     if train_tokens * args.train_epochs < needed:
         raise ConfigError(f"too little training data: the schedule consumes {needed:,} tokens but "
                           f"{len(train_files)} shard(s) x {args.train_epochs} epoch(s) hold "
@@ -3009,30 +3380,27 @@ def build_trainer(args: Hyperparameters, runtime: Runtime, log_file: Path, repla
     first, then the process group, the model and optimizers, and last the log with its header."""
     train_files, val_file = find_data(args, runtime)
     check_writable(log_file.parent, "--log-dir")
+    lock = RunLock.acquire(log_file) if runtime.master else None  # the run id is this run's from here to the end
     setup_process_group(runtime)
     if args.seed >= 0:
         torch.manual_seed(args.seed)
     model, adam, muon = build_model_and_optimizers(args, runtime)
-    log = Logger(log_file, runtime.master, replace=replace_log)
+    log = Logger(log_file, runtime.master, replace=replace_log, lock=lock)
     if runtime.master:
         print(log.path, flush=True)
-    try:
-        log(Path(__file__).read_text(), console=False)
-        log(SEPARATOR, console=False)
-        log(f"Running Python {sys.version}", console=False)
-        log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}", console=False)
-        log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
-        log(runtime.config_line(args), console=False)
-        for note in (*runtime.kernel_notes, muon.grouping_note):
-            if note:
-                log(note)
-        if args.train_epochs > 1:
-            log(f"note: the loader cycles over the training shards {args.train_epochs} times (--train-epochs)")
-        log(nvidia_smi(), console=False)
-        log(SEPARATOR, console=False)
-    except RunStopped as e:
-        close_log(log, e, "while starting")
-        raise
+    log(Path(__file__).read_text(), console=False)
+    log(SEPARATOR, console=False)
+    log(f"Running Python {sys.version}", console=False)
+    log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}", console=False)
+    log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
+    log(runtime.config_line(args), console=False)
+    for note in (*runtime.kernel_notes, muon.grouping_note):
+        if note:
+            log(note)
+    if args.train_epochs > 1:
+        log(f"note: the loader cycles over the training shards {args.train_epochs} times (--train-epochs)")
+    log(nvidia_smi(), console=False)
+    log(SEPARATOR, console=False)
     graphs = MicroBatchGraphs(model, adam, muon.grad_buffers, writes_first=runtime.grad_accum_steps == 1) \
         if runtime.cuda_graphs else None
     return Trainer(args, runtime, model, adam, muon, train_files, val_file, log, graphs)
@@ -3116,6 +3484,16 @@ def place_autotune_results(keys: list, origin: str) -> str:
                 f"benchmark their configs again: set TORCHINDUCTOR_CACHE_DIR={origin} to avoid it")
     return f"; {placed} autotuning results also placed under {origin}, where its kernels look for them"
 
+def is_our_bundle(path: Path) -> bool:
+    """A compile-cache bundle this trainer wrote (save_compile_cache): a zip holding its key and PyTorch's artifacts."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block the read
+            return False
+        with zipfile.ZipFile(path) as z:
+            return {"key.json", "artifacts.bin"} <= set(z.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+
 def load_compile_cache(path: Path) -> tuple[bool, str]:
     """(loaded, one line for the log). Restores the kernel-cache folders whose variable is set here."""
     if not path.is_file():
@@ -3154,6 +3532,8 @@ def save_compile_cache(path: Path) -> str:
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return f"compile cache: nothing was compiled, {path} not written"
+    if os.path.lexists(path) and not is_our_bundle(path):  # it appeared since check_outputs
+        return f"compile cache: {path} is not a bundle of this trainer; not written over"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -3195,11 +3575,48 @@ def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
     path = Path(args.compile_cache)
     return (path, *load_compile_cache(path))
 
+def check_model(args: Hyperparameters, runtime: Runtime) -> None:
+    """--check: what the settings ask of the model, before anything is allocated. The model is built on the meta
+    device (no memory): every learning rate, times its multipliers, must stay finite in float32, where the optimizers
+    apply it, and its parameters, their gradients and Adam's states must fit the device (a lower bound: activations
+    are left out, so good settings are never refused; running out later is one line too, see main())."""
+    with torch.device("meta"):
+        model = GPT(args, max_seq_len=1, world_size=runtime.world_size)
+    check_learning_rates(args, model)
+    need = 0
+    for p in model.parameters():
+        size = p.numel() * p.element_size()
+        need += 2 * size + (2 * size // runtime.world_size if p.label in DISTADAM_LABEL_ORDER else 0)
+    if runtime.device == "cuda":
+        have, per = torch.cuda.get_device_properties(runtime.local_rank).total_memory, "this GPU"
+    else:
+        processes = min(runtime.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", runtime.world_size)))
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // processes
+        per = "this machine's memory" + (f" / {processes} processes" if processes > 1 else "")
+    if need > have:
+        raise ConfigError(f"the model's parameters, gradients and optimizer states alone need {need / 2**30:,.1f} GiB "
+                          f"per process, more than {per} ({have / 2**30:,.1f} GiB): shrink --model-dim or "
+                          "--vocab-size")
+
+def check_learning_rates(args: Hyperparameters, model: GPT) -> None:
+    peak = max(*args.lr_plateaus, args.lr_floor)  # the largest multiplier get_lr gives
+    limit = float(np.finfo(np.float32).max)
+    for name, p in model.named_parameters():
+        if p.label in DISTADAM_LABEL_ORDER:  # Adam's first steps divide by 1 - beta1 (bias correction)
+            lr, flag = args.adam_lr * peak * p.lr_mul / (1 - args.adam_betas[0]), "--adam-lr"
+        else:  # weight decay is scaled by the lr
+            lr, flag = args.muon_lr * peak * normuon_lr_factor(p) * max(1.0, args.muon_weight_decay), "--muon-lr"
+        if not lr < limit:
+            raise ConfigError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))} with --lr-plateaus/--lr-floor up "
+                              f"to {peak} gives parameter {name} a step of {lr:.3g}, past float32's largest "
+                              f"({limit:.3g}): lower them")
+
 def run(args: Hyperparameters) -> None:
     if args.check or args.check_flags:
         runtime = resolve_runtime(args)
+        check_model(args, runtime)
         if args.check:
-            find_data(args, runtime)
+            find_data(args, runtime, scan=True)
             check_outputs(args)
         print(f"check: ok: {runtime.world_size} process(es) on {runtime.device}, fused kernels {runtime.fused}, "
               f"{runtime.grad_accum_steps} micro-batch(es) per step, "
@@ -3213,39 +3630,29 @@ def run(args: Hyperparameters) -> None:
     run_id = args.run_id or str(uuid.uuid4())
     trainer = build_trainer(args, runtime, log_path(args, run_id), replace_log=args.replace_log)
     log = trainer.log
-    try:
-        if cache_line:
-            log(cache_line)
-        t_warm = time.time()
-        trainer.where = "during the warm-up"
-        trainer.warm_up_kernels()
-        cache_note = compile_cache_after_warm_up(cache_path, cache_loaded) if runtime.master else ""
-        if cache_note:
-            log(cache_note)
-        caches = compile_cache_counts()
-        log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
-            f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs, Inductor's cache "
-            f"{caches['inductor']['hits']} hits and {caches['inductor']['misses']} misses, AOTAutograd's "
-            f"{caches['aot_autograd']['hits']} and {caches['aot_autograd']['misses']})")
-        result = trainer.train()
-        if dist.is_initialized() and runtime.world_size > 1:
-            same = replicas_identical(trainer.model)
-            log(f"replica check: parameters {'bit-identical' if same else 'DIFFER'} across {runtime.world_size} ranks")
-        log(peak_memory_line(runtime.device))
-        log(summary_line(args, runtime, result))
-        if args.save_checkpoint and runtime.master:
-            save_checkpoint(Path(args.log_dir) / run_id / f"state_step{result.steps:06d}.pt", trainer, result.steps)
-    except (RunStopped, ShardError, DataExhausted) as e:
-        close_log(log, e, trainer.where)
-        raise
-
-
-def close_log(log: Logger, e: Exception, where: str) -> None:
-    """The log's last line for a run that stops early: the stop's message (an interrupt's with where it was)."""
-    if isinstance(e, Interrupted):
-        e.args = (f"{e} {where}",)
-    log(str(e) if isinstance(e, RunStopped) else f"stopped: {e}")
-    e.logged = True
+    if cache_line:
+        log(cache_line)
+    t_warm = time.time()
+    log.where = "during the warm-up"
+    trainer.warm_up_kernels()
+    cache_note = compile_cache_after_warm_up(cache_path, cache_loaded) if runtime.master else ""
+    if cache_note:
+        log(cache_note)
+    caches = compile_cache_counts()
+    log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
+        f"{time.time() - PROCESS_START:.1f}s; {compiled_graph_count()} compiled graphs, Inductor's cache "
+        f"{caches['inductor']['hits']} hits and {caches['inductor']['misses']} misses, AOTAutograd's "
+        f"{caches['aot_autograd']['hits']} and {caches['aot_autograd']['misses']})")
+    result = trainer.train()
+    if dist.is_initialized() and runtime.world_size > 1:
+        same = replicas_identical(trainer.model)
+        log(f"replica check: parameters {'bit-identical' if same else 'DIFFER'} across {runtime.world_size} ranks")
+    log(peak_memory_line(runtime.device))
+    log(summary_line(args, runtime, result))
+    if args.save_checkpoint and runtime.master:
+        log.where = "while saving the checkpoint"
+        save_checkpoint(Path(args.log_dir) / run_id / f"state_step{result.steps:06d}.pt", trainer, result.steps)
+    log.close()
 
 
 def save_checkpoint(path: Path, trainer: "Trainer", steps: int) -> None:
@@ -3263,15 +3670,70 @@ def save_checkpoint(path: Path, trainer: "Trainer", steps: int) -> None:
 RANK0_REPORT_GRACE_S = 3.0  # how long the other ranks wait for rank 0 to report a config error
 
 def stop_on_signal(signum, frame):
-    """SIGINT and SIGTERM end the run through Interrupted: the log's closing line, one console line, exit 128+N."""
-    for s in (signal.SIGINT, signal.SIGTERM):
+    """SIGINT, SIGTERM and SIGHUP end the run through Interrupted: the log's closing line, one console line, exit
+    128+N."""
+    for s in (*STOP_SIGNALS, LAUNCHER_DIED):
         signal.signal(s, signal.SIG_IGN)  # a second signal (Ctrl-C twice, the launcher's SIGTERM) adds nothing
     raise Interrupted(signum)
 
+def stop_on_launcher_death(signum, frame):
+    if os.getppid() == STARTED_BY:  # the launcher lives: a stray signal
+        return
+    for s in (*STOP_SIGNALS, LAUNCHER_DIED):
+        signal.signal(s, signal.SIG_IGN)
+    raise LauncherDied()
+
+def exit_on_signal(said: str):
+    """A handler for the moments nothing is left to close (the grace after another rank's error, after the run):
+    one line on rank 0 unless `said` is empty, then exit 128+N."""
+    def handler(signum, frame):
+        if said and env_rank() == 0:
+            print(f"interrupted by {signal.Signals(signum).name} {said}", flush=True)
+        os._exit(128 + signum)
+    for s in STOP_SIGNALS:
+        signal.signal(s, handler)
+
+def out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or \
+        (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+def collective_failed(e: Exception) -> bool:
+    """An error of the process group: another rank has ended (gloo reports the broken connection as a RuntimeError)."""
+    return dist.is_initialized() and (isinstance(e, dist.DistError) or
+                                      (isinstance(e, RuntimeError) and "gloo/transport" in str(e)))
+
+def stop_run(stop: RunStopped, rank: int) -> None:
+    """The end of a run that stops early: the log's last line, echoed on rank 0 as the run's one line, and its exit
+    status, without the process group's teardown (which could wait on ranks already gone)."""
+    line = stop.last_line(where_the_run_is())
+    if Logger.active is not None:
+        end_log(line, console=True)
+    elif rank == 0:
+        print(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(stop.status)
+
+def end_log(last_line: str, console: bool = False) -> None:
+    """Close this process's log (if one is open) with its last line, and release the run id: whatever ended the run.
+    A log that cannot be written any more (a full disk) keeps what it has."""
+    if Logger.active is not None:
+        with contextlib.suppress(OSError):
+            Logger.active.close(last_line, console)  # which releases the run id
+    if RunLock.held is not None:  # the run stopped before its log was made
+        RunLock.held.release()
+
+def where_the_run_is() -> str:
+    return Logger.active.where if Logger.active is not None else "while starting"
+
+OUTPUT_FAILED = 4  # exit status: an output could not be written (a full disk)
+
 def main(argv=None) -> int:
-    rank = int(os.environ.get("RANK", 0))
-    for s in (signal.SIGINT, signal.SIGTERM):
+    rank = env_rank()
+    for s in STOP_SIGNALS:
         signal.signal(s, stop_on_signal)
+    signal.signal(LAUNCHER_DIED, stop_on_launcher_death)
+    prefix = "error" if rank == 0 else f"error (rank {rank})"
     try:
         args = parse_args(argv)
         run(args)
@@ -3279,20 +3741,38 @@ def main(argv=None) -> int:
     except (ConfigError, ShardError, DataExhausted) as e:
         # Config errors are seen identically by every rank: rank 0 speaks for all. Data errors during training
         # may hit one rank only, so that rank reports it (torchrun then stops the others).
+        end_log(f"stopped {where_the_run_is()}: {e}")
         if rank == 0 or not isinstance(e, ConfigError):
-            prefix = "error" if rank == 0 else f"error (rank {rank})"
             print(f"{prefix}: {e}", file=sys.stderr, flush=True)
         else:
-            # A silent rank that exits first makes torchrun stop rank 0, possibly before its line is out: wait.
+            # A silent rank that exits first makes torchrun stop rank 0, possibly before its line is out: wait,
+            # ending quietly on torchrun's SIGTERM (rank 0 said it all).
+            exit_on_signal("")
             time.sleep(RANK0_REPORT_GRACE_S)
         return 2
     except RunStopped as stop:
-        if rank == 0 and not getattr(stop, "logged", False):  # stopped before the log existed
-            print(stop, file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(stop.status)  # without the process group's teardown, which could wait on ranks already gone
+        stop_run(stop, rank)
+    except OSError as e:  # a full disk, a folder taken away: one line, and the log keeps what it has
+        said = f"{e.filename or 'input/output'}: {e.strerror or e}"
+        end_log(f"stopped {where_the_run_is()}: {said}")
+        print(f"{prefix}: {said}", file=sys.stderr, flush=True)
+        return OUTPUT_FAILED
+    except Exception as e:
+        where = where_the_run_is()
+        if collective_failed(e):
+            stop_run(PeerGone(), rank)
+        if not out_of_memory(e):
+            end_log(f"crashed {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            raise  # a bug: its traceback
+        device = "GPU" if isinstance(e, torch.OutOfMemoryError) else "machine"
+        said = (f"these settings need more than this {device} has; shrink the tokens per process "
+                "(--train-bs-schedule, --train-bs-extension, --val-batch-size) or the model (--model-dim), or use more "
+                "GPUs")
+        end_log(f"stopped {where}: out of memory: {said}")
+        print(f"{prefix}: out of memory {where}: {said}", file=sys.stderr, flush=True)
+        return 2
     finally:
+        exit_on_signal("after the run ended")  # nothing is left to close; the teardown below may still take a moment
         if dist.is_initialized():
             dist.destroy_process_group()
 

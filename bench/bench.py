@@ -646,6 +646,7 @@ def main(argv=None) -> int:
     say(f"cold start {cold['this_process_s']:.1f}s (warm-up {warm_up_s:.1f}s)", flush=True)
     if a.cold_start_only:
         out.write_text(json.dumps(cold))
+        trainer.log.close()
         return 0
     write = out.write_text if master else (lambda _: None)
 
@@ -692,6 +693,7 @@ def main(argv=None) -> int:
     result["cold_start"] = cold
     write(json.dumps(result, indent=1))
     say(format_table(result))
+    trainer.log.close()  # and the run id's lock
     return 0
 
 

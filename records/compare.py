@@ -11,8 +11,9 @@
 A SET (also NEW, PRIOR) is a log file, a folder (its *.txt files) or a comma-separated list of logs.
 A run counts only if its log ends with the final validation line `step:N/N val_loss:...`; any other
 file is named on a `SKIPPED <file>: <reason>` line and left out. Each run counts once: a file given twice, or a
-log with the same content as another, is a SKIPPED line too; two finished logs with one run id (the file name's
-stem, the trainer's --run-id) but different content are refused. Bad input: one line on stderr, exit 2.
+log with the same step lines as another (whatever its name, whitespace or line endings), is a SKIPPED line too; two
+finished logs with one run id (the file name's stem, the trainer's --run-id) but different step lines are refused.
+Bad input (a path that does not exist, too): one line on stderr, exit 2.
 See records/README.md for what counts as a record and a worked example.
 
 Log format (train_gpt.py): script source, a line of 100 '=', `Running Python/PyTorch/Triton ...`, `Run config:
@@ -84,6 +85,7 @@ class UsageError(Exception):
 class Run:
     path: Path
     digest: str | None = None  # sha256 of the log's bytes: two logs with the same digest are one run
+    steps_key: str | None = None  # sha256 of the parsed step lines (val, train): equal ones are one run too
     script: str | None = None
     python: str | None = None
     torch: str | None = None
@@ -179,7 +181,7 @@ def parse_text(text: str, path: Path | str = "<text>") -> Run:
             run.smi_available = False
     if run.smi_gpus:
         run.smi_available = True
-    for line in body:
+    for line in map(str.strip, body):  # a copy re-saved with other whitespace holds the same lines
         if m := VAL_RE.match(line):
             g = m.groups()
             run.val.append((int(g[0]), int(g[1]), float(g[2]), float(g[3]), float(g[4])))
@@ -201,6 +203,9 @@ def parse_text(text: str, path: Path | str = "<text>") -> Run:
         raise LogError(f"unfinished run: last validation at step {run.final[0]}/{run.steps}, no final validation line")
     if not math.isfinite(run.loss):
         raise LogError(f"final val_loss is {run.loss} (diverged)")
+    # Parsed numbers, not the lines' text: CRLF, trailing blanks or a missing last newline leave the key as it is.
+    # repr, not the tuples themselves: a nan on a step line must equal the nan of its copy.
+    run.steps_key = hashlib.sha256(repr((run.val, run.train)).encode()).hexdigest()
     return run
 
 
@@ -235,22 +240,40 @@ def folder_logs(folder: Path) -> list[Path]:
     return sorted(q for q in folder.glob("*.txt") if q.is_file())
 
 
+def spec_paths(spec) -> list[Path]:
+    """The paths one SET names: itself, or the parts of a comma-separated list (a path with a comma that exists is
+    itself)."""
+    spec = str(spec)
+    parts = [spec] if (Path(spec).exists() or "," not in spec) else [p for p in spec.split(",") if p]
+    return [Path(p) for p in parts]
+
+
 def expand_paths(specs) -> tuple[list[Path], list[tuple[str, str]]]:
-    """Files named by specs (file, folder -> its sorted *.txt, comma-separated list). Returns (files, missing)."""
-    files, missing = [], []
-    for spec in map(str, specs):
-        parts = [spec] if (Path(spec).exists() or "," not in spec) else [p for p in spec.split(",") if p]
-        for part in map(Path, parts):
-            if part.is_dir():
-                found = folder_logs(part)
-                files += found
-                if not found:
-                    missing.append((str(part), "directory holds no *.txt logs"))
-            elif part.is_file():
-                files.append(part)
-            else:
-                missing.append((str(part), "no such file or directory"))
-    return files, missing
+    """Files named by specs (file, folder -> its sorted *.txt, comma-separated list). Returns (files, skipped)."""
+    files, skipped = [], []
+    for part in (p for spec in specs for p in spec_paths(spec)):
+        if part.is_dir():
+            found = folder_logs(part)
+            files += found
+            if not found:
+                skipped.append((str(part), "directory holds no *.txt logs"))
+        elif part.is_file():
+            files.append(part)
+        elif part.exists():  # a FIFO, a device: reading it could block
+            skipped.append((str(part), "not a regular file or folder"))
+        else:
+            skipped.append((str(part), "no such file or directory"))
+    return files, skipped
+
+
+def check_paths_exist(specs) -> None:
+    """UsageError naming every path of specs that does not exist. On the command line a typo is bad input: as a
+    SKIPPED line it would head a set of its own (`## typo.txt: 0 finished run(s)`) or quietly shrink one.
+    (load_runs itself, for the bench tools, still names such a path as skipped.)"""
+    missing = [str(p) for spec in specs for p in spec_paths(spec) if not p.exists()]
+    if missing:
+        raise UsageError(f"{', '.join(missing)}: no such file or directory; give a log, a folder of logs or a "
+                         "comma-separated list of logs")
 
 
 def file_key(path: Path):
@@ -263,11 +286,15 @@ def file_key(path: Path):
 
 
 def same_run(a: Run, b: Run) -> str | None:
-    """Why a and b are one run ("identical content"), None if they are two; UsageError if the logs share a run id
-    but differ: the trainer writes one log per run id, so one of them was edited or the run id reused, and
-    counting both could count one run twice."""
+    """Why a and b are one run ("identical content", or "the same step lines" for a copy whose bytes differ:
+    CRLF line endings, a newline more or less), None if they are two. A run is its step lines, whatever the log's
+    name: no other run repeats all their losses and times to the millisecond. UsageError if the logs share a run id
+    but their step lines differ: the trainer writes one log per run id, so one of them was edited or the run id
+    reused, and counting both could count one run twice."""
     if a.digest is not None and a.digest == b.digest:
         return "identical content"
+    if a.steps_key is not None and a.steps_key == b.steps_key:
+        return "the same step lines"
     if a.run_id == b.run_id:
         raise UsageError(f"{a.path} and {b.path} have the same run id '{a.run_id}' but different content (a run id "
                          "names one run: a log edited, or a --run-id used twice); keep only one of them, or rename "
@@ -427,6 +454,7 @@ class SetStats:
 
 def load_set(specs, target=DEFAULT_TARGET, label=None) -> SetStats:
     specs = [str(x) for x in specs]
+    check_paths_exist(specs)
     if label is None:
         label = (Path(specs[0].rstrip("/")).name or specs[0]) if len(specs) == 1 else f"{len(specs)} paths"
     return SetStats(label, *load_runs(specs), target)
@@ -1107,6 +1135,20 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} -h)")
 
 
+def target_loss(text: str) -> float:
+    """--target: a finite number. float() takes nan and inf, and with them every test against the target (p-value,
+    runs needed, verdict) would print a meaningless answer."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = None
+    if x is None or not math.isfinite(x):
+        what = "a number" if x is None else "a finite number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}; give the val loss to reach, e.g. "
+                                         f"--target {DEFAULT_TARGET}")
+    return x
+
+
 RECORD_OPTS = [  # options of `new` and `run`
     ("--out", dict(metavar="DIR", help="folder the run's folder goes into; default records/ for a record, "
                                        "logs/not_records/ with --not-a-record")),
@@ -1117,7 +1159,7 @@ RECORD_OPTS = [  # options of `new` and `run`
     ("--not-a-record", dict(action="store_true", help="file runs that are not a record attempt (smoke, CPU, "
                                                       "not 8 GPUs, not 2160 steps, not FineWeb), labelled so, "
                                                       "outside records/ and with no row in its table")),
-    ("--target", dict(type=float, default=DEFAULT_TARGET, help="val loss target (default 3.28)")),
+    ("--target", dict(type=target_loss, default=DEFAULT_TARGET, help="val loss target (default 3.28)")),
 ]
 RUN_OPTS = [
     ("--nproc", dict(type=int, help="processes per run (default: visible GPUs rounded down to 1/2/4/8; "
@@ -1167,13 +1209,13 @@ def build_parser() -> Parser:
     set_help = "a log, a folder (its *.txt logs) or a comma-separated list of logs"
     sp = sub.add_parser("summary", help="per-run table and set statistics")
     sp.add_argument("logs", nargs="+", metavar="SET", help=set_help)
-    sp.add_argument("--target", type=float, default=DEFAULT_TARGET, help="val loss target (default 3.28)")
+    sp.add_argument("--target", type=target_loss, default=DEFAULT_TARGET, help="val loss target (default 3.28)")
     for name, hlp in (("compare", "NEW vs PRIOR: Welch t-test on time, loss target check"),
                       ("plot", "validation loss (with a zoom on the final stretch) and step time, to an image")):
         sp = sub.add_parser(name, help=hlp)
         sp.add_argument("new", metavar="NEW", help=set_help)
         sp.add_argument("prior", metavar="PRIOR", nargs="?" if name == "plot" else None, help=set_help)
-        sp.add_argument("--target", type=float, default=DEFAULT_TARGET, help="val loss target (default 3.28)")
+        sp.add_argument("--target", type=target_loss, default=DEFAULT_TARGET, help="val loss target (default 3.28)")
         if name == "plot":
             sp.add_argument("-o", "--output", required=True, help="the image to write (required); its suffix picks "
                                                                   "the format: .png, .pdf, .svg, ...")

@@ -113,6 +113,7 @@ SLOW_FILES_FIRST = (
     "test_data_download.py",   # 40
     "test_cuda_graphs.py",     # 35: the graph checks, two of them on two ranks
     "test_cli_and_errors.py",  # 35: the script as a user runs it, under torchrun too
+    "test_launchers.py",       # 30: four 2-process launches side by side, killed or interrupted
     "test_mlp_kernels.py",     # 30: a compiled model
     "test_faults.py",          # 30: two 2-process runs
     "test_run_guards.py",      # 25: four trainers side by side

@@ -41,13 +41,23 @@ def run_script(args, cwd, env=None, timeout=120):
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+class ProcessExit(BaseException):
+    """os._exit(status) in this process, where main() ends a run that stopped early (the `main` fixture)."""
+
+
 @pytest.fixture
 def main(capsys, monkeypatch, tmp_path):
     """main(argv, **env) -> (exit status, stdout, stderr) of train_gpt.main(argv) in this process, as run_script(argv)
     runs the script: the launcher's variables unset unless given in env, the working folder tmp_path. main() installs
-    its own SIGINT and SIGTERM handlers: pytest's are put back; monkeypatch restores the environment and the folder."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    its own signal handlers: pytest's are put back; its os._exit(status) (a run that stopped early) returns status
+    here; monkeypatch restores the environment and the folder."""
+    saved = {s: signal.getsignal(s) for s in (*tg.STOP_SIGNALS, tg.LAUNCHER_DIED)}
     monkeypatch.chdir(tmp_path)
+
+    def exit_here(status):
+        raise ProcessExit(status)
+
+    monkeypatch.setattr(os, "_exit", exit_here)
 
     def call(argv, **env):
         for k in LAUNCHER_ENV:
@@ -57,9 +67,12 @@ def main(capsys, monkeypatch, tmp_path):
         capsys.readouterr()
         try:
             status = tg.main(argv)
+        except ProcessExit as e:
+            status = e.args[0]
         finally:
             for s, handler in saved.items():
                 signal.signal(s, handler)
+        assert tg.Logger.active is None and tg.RunLock.held is None  # main() closed its log and lock
         out = capsys.readouterr()
         return status, out.out, out.err
     return call
@@ -415,12 +428,16 @@ def test_under_torchrun_a_bad_shard_is_reported_once_by_rank_0_and_workers_exit_
     bad = data / "fineweb_train_000001.bin"
     bad.write_bytes(bad.read_bytes()[:-1000])
     r = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(SCRIPT), *smoke_args(data, tmp_path)], cwd=tmp_path, env=child_env(),
-                       capture_output=True, text=True, timeout=180)
-    out = r.stdout + r.stderr
-    errors = [ln for ln in out.splitlines() if ln.startswith("error")]
-    assert len(errors) == 1 and str(bad) in errors[0] and "truncated" in errors[0], out[-3000:]
-    assert r.returncode != 0 and "exitcode  : 2" in out  # torchrun's own report names our exit status
+                   "--log-dir", str(tmp_path / "torchrun"), "--redirects", "3", str(SCRIPT), *smoke_args(data, tmp_path)],
+                  cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode != 0 and "exitcode  : 2" in r.stderr  # torchrun's own report names our exit status
+    # every line each rank printed (torchrun's per-rank files): the one error on rank 0, nothing on rank 1
+    said = {rank: tuple((folder / f).read_text() for f in ("stdout.log", "stderr.log"))
+            for rank in (0, 1) for folder in (tmp_path / "torchrun").rglob(f"attempt_0/{rank}")}
+    assert said[0][0] == "" and said[1] == ("", ""), said
+    assert said[0][1].splitlines() == [f"error: shard {bad} is {bad.stat().st_size} bytes but its header promises "
+                                       f"{100_000} tokens ({1024 + 200_000} bytes): truncated or corrupt, re-download "
+                                       "or rebuild it"], said
     assert not (tmp_path / "logs").exists()
 
 

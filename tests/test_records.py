@@ -1,4 +1,5 @@
 """Tests for records/compare.py: log parsing, statistics, compare/diff/plot/new/run subcommands."""
+import hashlib
 import importlib.util
 import json
 import os
@@ -244,9 +245,9 @@ def test_malformed_logs_are_named_and_skipped(tmp_path, capsys):
     (d / "e_binary.txt").write_bytes(bytes(range(256)) * 8)
     (d / "f_nan.txt").write_text(make_log(3.27).replace("val_loss:3.2700", "val_loss:nan"))
     (d / "g_latin1.txt").write_bytes("caf\xe9 step".encode("latin-1"))
-    code, out, _ = cli(capsys, "summary", d, tmp_path / "missing.txt")
+    code, out, _ = cli(capsys, "summary", d)
     assert code == 0
-    assert "1 finished run(s), 7 skipped" in out
+    assert "1 finished run(s), 6 skipped" in out
     skipped = {ln.split(": ", 1)[0].split("/")[-1]: ln for ln in out.splitlines() if ln.startswith("SKIPPED")}
     assert "empty file" in skipped["b_empty.txt"]
     assert "no validation line" in skipped["c_noval.txt"]
@@ -254,7 +255,6 @@ def test_malformed_logs_are_named_and_skipped(tmp_path, capsys):
     assert "binary" in skipped["e_binary.txt"]
     assert "diverged" in skipped["f_nan.txt"]
     assert "not UTF-8" in skipped["g_latin1.txt"]
-    assert "no such file" in skipped["missing.txt"]
     assert "| a_good.txt" in out
     # nothing usable at all -> error exit, files still named
     code, out, err = cli(capsys, "summary", d / "b_empty.txt", d / "e_binary.txt")
@@ -399,7 +399,7 @@ def test_run_options_are_not_trainer_flags():
 
 
 FAKE_LAUNCHER = textwrap.dedent('''\
-    import json, os, pathlib, subprocess, sys, time, uuid
+    import json, os, pathlib, re, subprocess, sys, time, uuid
     args = sys.argv[1:]
     out = pathlib.Path("logs"); out.mkdir(exist_ok=True)
     calls = pathlib.Path("calls.jsonl")
@@ -420,8 +420,11 @@ FAKE_LAUNCHER = textwrap.dedent('''\
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
         pathlib.Path("pids").write_text(f"{os.getpid()} {worker.pid}")
         time.sleep(120)
-    # every real log differs (its timings); the last line keeps these apart where the template has no 3.2770
-    path.write_text(template.replace("val_loss:3.2770", f"val_loss:{3.2760 + n / 10000:.4f}") + f"fake run {n}\\n")
+    # every real log differs in its step lines (their times): the final validation's time is n ms later, and its
+    # loss differs where the template has a 3.2770
+    text = template.replace("val_loss:3.2770", f"val_loss:{3.2760 + n / 10000:.4f}")
+    path.write_text(re.sub(r"(?m)^(step:(\\d+)/\\2 val_loss:\\S+ train_time:)(\\d+)",
+                           lambda m: f"{m[1]}{int(m[3]) + n}", text))
     print(f"logs/{path.name}")
     print("step:0/40 val_loss:8.2770 ...")
 ''')
@@ -942,6 +945,103 @@ def test_a_run_id_reused_with_different_content_is_refused(tmp_path, capsys):
     assert "1 finished run(s), 1 skipped" in out and _n(out) == 1
     assert _skipped(out) == [f"SKIPPED {second}: unfinished run: last validation at step 30/40, no final "
                              "validation line"]
+
+
+def _sha256s(*paths):
+    """{path: sha256 of its bytes} of every file under paths (a file, or a folder's files, recursively)."""
+    files = [f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*")))]
+    return {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.is_file()}
+
+
+def test_a_log_with_crlf_line_endings_is_the_same_run(tmp_path, capsys):
+    """One run id, the same step lines, CRLF line endings: the same run (counted once), not a run id reused."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    log, crlf = tmp_path / "a" / "run-7.txt", tmp_path / "b" / "run-7.txt"
+    log.write_text(make_log(3.2770))
+    crlf.write_bytes(log.read_bytes().replace(b"\n", b"\r\n"))
+    before = _sha256s(tmp_path)
+    code, alone, err = cli(capsys, "summary", log)
+    assert code == 0 and err == ""
+    code, out, err = cli(capsys, "summary", tmp_path / "a", tmp_path / "b")
+    assert code == 0 and err == ""
+    # every line: the summary of the log alone, then one SKIPPED line for the copy
+    assert out.splitlines() == ["## 2 paths: 1 finished run(s), 1 skipped", *alone.splitlines()[1:], "",
+                                f"SKIPPED {crlf}: the same run as {log} (the same step lines)"]
+    assert _sha256s(tmp_path) == before
+
+
+def test_copies_differing_only_in_whitespace_count_as_one_run(tmp_path, capsys):
+    d = tmp_path / "logs"
+    d.mkdir()
+    log = d / "a.txt"
+    log.write_text(make_log(3.2770))
+    text = log.read_text()
+    copies = {"b_newline_more.txt": text + "\n", "c_no_last_newline.txt": text.rstrip("\n"),
+              "d_crlf.txt": text.replace("\n", "\r\n"),
+              "e_blanks.txt": "\n".join(f"  {ln}\t " if ln.startswith("step:") else ln + " "
+                                        for ln in text.splitlines()) + "\n\n"}
+    for name, copy in copies.items():
+        (d / name).write_bytes(copy.encode())
+    before = _sha256s(d)
+    code, alone, err = cli(capsys, "summary", log)
+    assert code == 0 and err == ""
+    code, out, err = cli(capsys, "summary", d)
+    assert code == 0 and err == ""
+    skipped = [f"SKIPPED {d / name}: the same run as {log} (the same step lines)" for name in copies]
+    assert out.splitlines() == ["## logs: 1 finished run(s), 4 skipped", *alone.splitlines()[1:], "", *skipped]
+    assert _sha256s(d) == before
+
+
+def test_compare_refuses_a_whitespace_copy_of_a_new_run_in_prior(tmp_path, capsys):
+    new = write_set(tmp_path / "new", [3.2770, 3.2775], prefix="new")
+    write_set(tmp_path / "prior", [3.2790, 3.2795], prefix="prior")
+    copy = tmp_path / "prior" / "copy.txt"
+    copy.write_bytes(new[1].read_bytes().replace(b"\n", b"\r\n") + b"\r\n")
+    before = _sha256s(tmp_path)
+    code, out, err = cli(capsys, "compare", tmp_path / "new", tmp_path / "prior")
+    assert code == 2 and out == "" and err.splitlines() == [
+        f"error: NEW {new[1]} and PRIOR {copy} are the same run (the same step lines); a run counts in one set "
+        "only: take it out of NEW or PRIOR"]
+    assert _sha256s(tmp_path) == before
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_non_finite_target_is_refused_by_every_subcommand(tmp_path, capsys, value):
+    write_set(tmp_path / "new", [3.2770, 3.2775], prefix="new")
+    write_set(tmp_path / "prior", [3.2790, 3.2795], prefix="prior")
+    work, opts = _fake_setup(tmp_path, make_log(3.2770, total=2160, val_every=250))
+    before = _sha256s(tmp_path)
+    for argv in (["summary", tmp_path / "new"], ["compare", tmp_path / "new", tmp_path / "prior"],
+                 ["plot", tmp_path / "new", "-o", tmp_path / "p.png"],
+                 ["new", "x", tmp_path / "new", "--out", tmp_path / "recs", "--not-a-record"],
+                 ["run", "x", "1", "--nproc", "8", *opts]):
+        code, out, err = cli(capsys, *argv, f"--target={value}")
+        assert code == 2 and out == "" and err.splitlines() == [
+            f"error: records/compare.py {argv[0]}: argument --target: '{value}' is not a finite number; give the val "
+            f"loss to reach, e.g. --target 3.28 (see records/compare.py {argv[0]} -h)"], argv
+    assert _sha256s(tmp_path) == before and _calls(work) == []  # nothing written, nothing launched
+
+
+def test_a_missing_path_is_a_one_line_error_not_a_set(tmp_path, capsys):
+    logs = write_set(tmp_path / "logs", [3.2770, 3.2775])
+    missing = tmp_path / "nonexist.txt"
+    before = _sha256s(tmp_path)
+    for argv in (["summary", missing], ["summary", logs[0], missing], ["summary", f"{logs[0]},{missing}"],
+                 ["compare", tmp_path / "logs", missing], ["compare", missing, tmp_path / "logs"],
+                 ["plot", missing, "-o", tmp_path / "p.png"],
+                 ["new", "x", logs[0], missing, "--out", tmp_path / "recs", "--not-a-record"]):
+        code, out, err = cli(capsys, *argv)
+        assert code == 2 and out == "" and err.splitlines() == [
+            f"error: {missing}: no such file or directory; give a log, a folder of logs or a comma-separated list "
+            "of logs"], argv
+    assert _sha256s(tmp_path) == before
+    # a folder that exists but holds no logs is still a SKIPPED line of the set
+    (tmp_path / "empty").mkdir()
+    code, out, err = cli(capsys, "summary", logs[0], tmp_path / "empty")
+    assert code == 0 and err == ""
+    assert out.splitlines()[0] == "## 2 paths: 1 finished run(s), 1 skipped"
+    assert _skipped(out) == [f"SKIPPED {tmp_path / 'empty'}: directory holds no *.txt logs"]
 
 
 def test_run_refuses_a_run_id_that_would_overwrite_a_log(tmp_path, capsys):

@@ -210,15 +210,114 @@ def test_replace_log_does_not_replace_a_folder_where_the_log_would_go(main, data
     assert tree(tmp_path) == before
 
 
+EARLIER_LOG = tg.LOG_SIGNATURE.encode() + b" an earlier run's log (the script's source first)\n"
+
+
 def test_check_with_replace_log_accepts_an_existing_log_and_writes_nothing(main, data, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    (logs / "taken.txt").write_bytes(b"an earlier run's log\n")
+    (logs / "taken.txt").write_bytes(EARLIER_LOG)
     before = tree(tmp_path)
     status, out, err = main(tiny_args(data, logs, "--run-id", "taken", "--replace-log", "--check"))
     assert status == 0 and out.startswith("check: ok:"), (out, err)
     assert tree(tmp_path) == before
     # a real run with --replace-log replaces it: test_sigterm_during_training_... (a run over an existing log)
+
+
+# ----------------------------------------------------------------------------------------------------
+# --replace-log and --compile-cache replace only what this trainer wrote; a run id is held for the run's life
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [(), ("--check",)], ids=["run", "check"])
+def test_replace_log_refuses_a_file_that_is_not_one_of_our_logs_and_leaves_it_byte_identical(main, data, beside_logs,
+                                                                                             mode):
+    """--log-dir . --run-id requirements --replace-log, beside a copy of requirements.txt."""
+    before = tree(beside_logs)
+    refused(main(tiny_args(data, beside_logs, "--run-id", "requirements", "--replace-log", *mode)),
+            str(beside_logs / "requirements.txt"), "is not a log of this trainer", "--replace-log replaces only those")
+    assert tree(beside_logs) == before
+
+
+@pytest.mark.parametrize("mode", [(), ("--check",)], ids=["run", "check"])
+def test_replace_log_refuses_a_checkpoint_folder_holding_other_files(main, data, tmp_path, mode):
+    logs = tmp_path / "logs"
+    (logs / "mine").mkdir(parents=True)
+    (logs / "mine.txt").write_bytes(EARLIER_LOG)
+    (logs / "mine" / "state_step000003.pt").write_bytes(b"a checkpoint")
+    (logs / "mine" / "notes.md").write_text("the user's notes")
+    before = tree(tmp_path)
+    refused(main(tiny_args(data, logs, "--run-id", "mine", "--replace-log", *mode)), str(logs / "mine"),
+            "holds files other than this trainer's checkpoints")
+    assert tree(tmp_path) == before
+
+
+def test_replace_log_replaces_the_checkpoint_folder_whole(main, data, tmp_path):
+    logs = tmp_path / "logs"
+    (logs / "mine").mkdir(parents=True)
+    (logs / "mine.txt").write_bytes(EARLIER_LOG)
+    (logs / "mine" / "state_step000003.pt").write_bytes(b"the earlier run's checkpoint")
+    status, out, err = main(tiny_args(data, logs, "--run-id", "mine", "--replace-log", "--save-checkpoint"))
+    assert status == 0, err
+    assert sorted(os.listdir(logs)) == ["mine", "mine.txt"] and os.listdir(logs / "mine") == ["state_step000004.pt"]
+    assert torch.load(logs / "mine" / "state_step000004.pt", weights_only=False)["step"] == 4
+    assert log_text(logs / "mine.txt").startswith(SCRIPT.read_text())
+
+
+@pytest.mark.parametrize("mode", [(), ("--check",)], ids=["run", "check"])
+def test_a_compile_cache_that_is_not_one_of_our_bundles_is_refused_and_left_byte_identical(main, data, tmp_path, mode):
+    (tmp_path / "README.md").write_text("# a readme, not a bundle\n")
+    before = tree(tmp_path)
+    refused(main(tiny_args(data, tmp_path / "logs", "--compile-cache", str(tmp_path / "README.md"), *mode)),
+            "--compile-cache", "is not a compile-cache bundle of this trainer")
+    assert tree(tmp_path) == before
+
+
+def test_the_bundle_is_written_only_where_there_is_none_or_one_of_ours(tmp_path, monkeypatch):
+    """The save path forced on the CPU: PyTorch's artifacts stood in, as after a warm-up that compiled."""
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled graphs", None))
+    for var in tg.COMPILE_CACHE_DIRS:
+        monkeypatch.delenv(var, raising=False)
+    bundle, foreign = tmp_path / "cache.zip", tmp_path / "README.md"
+    foreign.write_text("# appeared after the check\n")
+    before = sha256(foreign)
+    assert tg.save_compile_cache(foreign) == f"compile cache: {foreign} is not a bundle of this trainer; not written over"
+    assert sha256(foreign) == before
+    assert tg.save_compile_cache(bundle).startswith(f"compile cache: wrote {bundle}") and tg.is_our_bundle(bundle)
+    first = sha256(bundle)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"more compiled graphs", None))
+    assert tg.save_compile_cache(bundle).startswith(f"compile cache: wrote {bundle}") and sha256(bundle) != first
+    assert sorted(os.listdir(tmp_path)) == ["README.md", "cache.zip"]  # no temporary file left
+
+
+@pytest.mark.parametrize("extra", [(), ("--replace-log",), ("--check",), ("--check", "--replace-log")],
+                         ids=["run", "run --replace-log", "check", "check --replace-log"])
+def test_a_run_id_held_by_a_run_still_going_is_refused(main, data, tmp_path, extra):
+    logs = tmp_path / "logs"
+    lock = tg.RunLock.acquire(logs / "busy.txt")  # as the other run's rank 0 holds it, in a process of its own:
+    tg.RunLock.held = None  # not this process's run
+    try:
+        before = tree(tmp_path)
+        refused(main(tiny_args(data, logs, "--run-id", "busy", *extra)), "--run-id busy is in use by a run still going",
+                f"pid {os.getpid()}")
+        assert tree(tmp_path) == before
+    finally:
+        lock.release()
+    assert list(tmp_path.iterdir()) == []  # the lock made the folder, and took it away with itself
+
+
+def test_a_stale_lock_of_a_killed_run_is_taken_over_and_a_foreign_lock_file_is_refused(main, data, tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "stale.lock").write_bytes(tg.RunLock.SIGNATURE + b"pid 1 on a machine long gone\n")
+    status, out, err = main(tiny_args(data, logs, "--run-id", "stale"))
+    assert status == 0, err
+    assert sorted(os.listdir(logs)) == ["stale.txt"]
+    (logs / "foreign.lock").write_text("a file of the user's\n")
+    before = tree(tmp_path)
+    for mode in ((), ("--check",)):
+        refused(main(tiny_args(data, logs, "--run-id", "foreign", *mode)), str(logs / "foreign.lock"),
+                "is not a run lock of this trainer")
+        assert tree(tmp_path) == before
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -273,23 +372,18 @@ def test_a_config_error_from_the_model_or_optimizer_build_leaves_no_log(main, da
     assert not (tmp_path / "logs").exists()
 
 
-def test_a_signal_while_the_log_header_is_written_closes_the_log_while_starting(data, tmp_path, monkeypatch):
+def test_a_signal_while_the_log_header_is_written_closes_the_log_while_starting(main, data, tmp_path, monkeypatch):
     def nvidia_smi():  # the signal arrives while nvidia-smi runs
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises here
         return "nvidia-smi: not available\n"
 
     monkeypatch.setattr(tg, "nvidia_smi", nvidia_smi)
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for s in saved:
-            signal.signal(s, tg.stop_on_signal)  # as main() sets them
-        with pytest.raises(tg.Interrupted):
-            tg.run(tg.parse_args(tiny_args(data, tmp_path / "logs", "--run-id", "starting")))
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
+    status, out, err = main(tiny_args(data, tmp_path / "logs", "--run-id", "starting"))
+    assert status == 143 and err == "", err
+    assert out.splitlines()[-1] == "interrupted by SIGTERM while starting", out
     assert last_line(log_text(tmp_path / "logs" / "starting.txt")) == "interrupted by SIGTERM while starting"
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["starting.txt"]  # the lock went with the run
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -335,6 +429,7 @@ class Launch:
     err: list = dataclasses.field(default_factory=list)
     signalled_at: str = None         # the log's last line when the signal went
     left_running: list = None        # processes of its group alive after it exited
+    start_after: tuple = None        # (another launch's name, when(its log text, its stdout)): started once it holds
 
 
 def log_text(path: Path) -> str:
@@ -356,17 +451,28 @@ def run_side_by_side(launches: dict, deadline_s: float = 240.0) -> dict:
         for line in stream:
             into.append(line)
 
-    for launch in launches.values():
+    def start(launch):
         launch.proc = subprocess.Popen([sys.executable, str(SCRIPT), *launch.argv], env=child_env(), text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         STARTED_GROUPS.add(launch.proc.pid)
         for stream, into in ((launch.proc.stdout, launch.out), (launch.proc.stderr, launch.err)):
             threading.Thread(target=drain, args=(stream, into), daemon=True).start()
+
+    waiting = {name: launch for name, launch in launches.items() if launch.start_after}
+    for launch in launches.values():
+        if not launch.start_after:
+            start(launch)
     end = time.monotonic() + deadline_s
     try:
-        while time.monotonic() < end and any(l.proc.poll() is None for l in launches.values()):
+        while time.monotonic() < end and (waiting or any(l.proc.poll() is None for l in launches.values()
+                                                         if l.proc is not None)):
+            for name, launch in list(waiting.items()):
+                other, when = launch.start_after
+                if when(log_text(launches[other].log), "".join(launches[other].out)):
+                    start(waiting.pop(name))
             for launch in launches.values():
-                if launch.signum is None or launch.signalled_at is not None or launch.proc.poll() is not None:
+                if launch.proc is None or launch.signum is None or launch.signalled_at is not None or \
+                        launch.proc.poll() is not None:
                     continue
                 text = log_text(launch.log)
                 if launch.when(text, "".join(launch.out)):
@@ -375,6 +481,8 @@ def run_side_by_side(launches: dict, deadline_s: float = 240.0) -> dict:
             time.sleep(0.1)
     finally:
         for launch in launches.values():
+            if launch.proc is None:  # its condition never held: the asserts say so
+                continue
             if launch.proc.poll() is None:
                 kill_group(launch.proc.pid)
             launch.proc.wait()
@@ -396,7 +504,7 @@ def warming_up(text: str, out: str) -> bool:
 def runs(data, tmp_path_factory):
     logs = tmp_path_factory.mktemp("runs") / "logs"
     logs.mkdir()
-    (logs / "replaced.txt").write_text("an earlier run's log\n")
+    (logs / "replaced.txt").write_bytes(EARLIER_LOG)
     endless = ["--num-scheduled-iterations", "10000", "--train-epochs", "100"]  # runs until signalled
     launches = dict(
         diverged=Launch(tiny_args(data, logs / "diverged", "--adam-lr", "1e30", "--muon-lr", "1e30")),
@@ -408,6 +516,13 @@ def runs(data, tmp_path_factory):
         warm_up=Launch(tiny_args(data, logs, "--run-id", "warm_up", *endless, "--train-bs-schedule", "128,128,128",
                                  "--ws-schedule", "3,3,3", "--lr-plateaus", "1,1,1", "--lr-plateau-starts",
                                  "0,0.3,0.6"), logs / "warm_up.txt", signal.SIGINT, warming_up),
+        sighup=Launch(tiny_args(data, logs, "--run-id", "sighup", *endless), logs / "sighup.txt", signal.SIGHUP,
+                      training_started),
+        # a run of run id "held" that trains to its end, and a second one, with --replace-log, while the first trains
+        held=Launch(tiny_args(data, logs, "--run-id", "held", "--num-scheduled-iterations", "40", "--train-epochs",
+                              "100"), logs / "held.txt"),
+        second=Launch(tiny_args(data, logs, "--run-id", "held", "--replace-log"), logs / "held.txt",
+                      start_after=("held", training_started)),
     )
     return run_side_by_side(launches)
 
@@ -429,7 +544,7 @@ def test_a_non_finite_training_loss_stops_the_run_with_exit_3(runs):
     assert [ln for ln in (out + err).splitlines() if "stopped at step" in ln] == [last_line(text)]
 
 
-@pytest.mark.parametrize("name,signame", [("sigint", "SIGINT"), ("sigterm", "SIGTERM")])
+@pytest.mark.parametrize("name,signame", [("sigint", "SIGINT"), ("sigterm", "SIGTERM"), ("sighup", "SIGHUP")])
 def test_a_signal_during_training_closes_the_log_with_one_line_and_exits_128_plus_its_number(runs, name, signame):
     launch = runs[name]
     out, err = console_of(launch)
@@ -459,3 +574,17 @@ def test_a_signal_during_the_warm_up_closes_the_log_with_one_line(runs):
     text = log_text(launch.log)
     assert last_line(text) == "interrupted by SIGINT during the warm-up"
     assert [ln for ln in (out + err).splitlines() if "interrupted" in ln] == [last_line(text)]
+
+
+def test_a_second_run_of_a_run_id_still_training_is_refused_and_the_first_log_is_whole(runs):
+    first, second = runs["held"], runs["second"]
+    assert second.proc is not None, "the first run never trained"
+    out, err = console_of(second)
+    assert second.proc.returncode == 2 and out == "", (out, err)
+    assert re.fullmatch(r"error: --run-id held is in use by a run still going \(pid \d+ on .+\): wait for it to end, "
+                        r"or pick another --run-id\n", err), err
+    assert first.proc.returncode == 0, console_of(first)
+    text = log_text(first.log)
+    assert text.startswith(SCRIPT.read_text()) and last_line(text).startswith("summary: val_loss ")
+    assert len(re.findall(r"^step:\d+/40 train_time", text, re.M)) == 40  # every step, once
+    assert not (first.log.parent / "held.lock").exists()

@@ -2,7 +2,8 @@
 `torchrun`) first on PATH that records every call and exits 0, so nothing is installed, downloaded or trained.
 
 The stub answers the few `python -c` questions run.sh asks (torch's CUDA version, which test packages are
-missing, whether PyTorch's CPU index answers) from STUB_* environment variables, prints a pytest-like summary for
+missing, whether PyTorch's CPU index answers) from STUB_* environment variables (STUB_FIND_SPEC=real: the real Python,
+without site-packages, looks the test packages up among the sandbox's stand-ins), prints a pytest-like summary for
 `-m pytest`, and fails pip installs on request (STUB_PIP_RC, STUB_GPU_PIP_RC). `pip install --dry-run` writes the
 report given in STUB_PIP_TORCH (pip's configured sources) or STUB_LOCAL_TORCH (with --no-index). Two questions of
 setup-cpu go to the real Python, so that their code is tested: which torch to keep (it imports the sandbox's
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import STARTED_GROUPS, group_members, kill_group, run_group
+from processes import RUN_DIR_ENV, STARTED_GROUPS, group_members, kill_group, run_group
 from proxy_shards import build_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +50,9 @@ if [ "${1:-}" = -c ]; then
             [ "${STUB_PROBE-}" != real ] || PYTHONPATH="$STUB_SITE" exec "$STUB_REAL_PYTHON" "$@"
             [ -z "${STUB_PROBE-}" ] || { echo "$STUB_PROBE"; exit 1; } ;;
         *package_dirs_for_bytecode*) echo "${STUB_BYTECODE_DIRS-/stub/site/torch}" ;;
-        *find_spec*) echo "${STUB_MISSING:-}" ;;
+        *find_spec*)
+            [ "${STUB_FIND_SPEC-}" != real ] || PYTHONPATH="$STUB_SITE" exec "$STUB_REAL_PYTHON" -S "$@"
+            echo "${STUB_MISSING:-}" ;;
         *torch.version.cuda*) echo "${STUB_CUDA-13.0}" ;;
         *sys.prefix*) echo /stub/prefix ;;
     esac
@@ -614,10 +617,51 @@ def test_setup_cpu_stops_when_pip_fails(box):
     assert len(box.commands()) == 1  # the torch install failed: requirements-dev.txt was not tried
 
 
-def test_test_command_runs_pytest_on_tests(box):
+def test_test_command_passes_its_arguments_to_pytest_as_given(box):
     r = box.run("test", "-k", "schedules", "-x")
     assert r.returncode == 0, r.stderr
-    assert box.commands() == [["-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile", "tests", "-k", "schedules", "-x"]]
+    assert box.commands() == [["-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile", "-k", "schedules", "-x"]]
+    box.log.unlink()
+    r = box.run("test", "tests/test_schedules.py")
+    assert r.returncode == 0, r.stderr
+    assert box.commands() == [["-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile", "tests/test_schedules.py"]]
+
+
+@pytest.mark.parametrize("args, passed", [([], "2 passed"), (["-k", "two"], "1 passed, 1 deselected"),
+                                          (["tests/test_one.py"], "1 passed")], ids=["no-args", "-k", "one-file"])
+def test_test_command_runs_the_suite_or_only_the_file_it_is_given(tmp_path, args, passed):
+    """For real, on a planted suite: with no path pytest.ini's testpaths picks tests/ (-k too); a file given runs
+    alone, not with the whole suite."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    for name in ("run.sh", "pytest.ini"):
+        shutil.copy(REPO / name, repo / name)
+    for name in ("one", "two"):
+        (repo / "tests" / f"test_{name}.py").write_text(f"def test_{name}():\n    pass\n")
+    (repo / "test_outside.py").write_text("def test_outside():\n    raise AssertionError\n")  # not under tests/
+    env = {k: v for k, v in os.environ.items() if k != RUN_DIR_ENV and not k.startswith("PYTEST_")}
+    r = run_group(["bash", str(repo / "run.sh"), "test", "-n", "0", "-p", "no:cacheprovider", *args],
+                  env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and lines[1].startswith(f"{passed} in ") and r.stderr == "", r.stdout + r.stderr
+
+
+def test_test_command_without_pytest_timeout_says_how_to_set_up(box):
+    """Without pytest-timeout, pytest.ini's per-test limit would silently be off. The real lookup, on stand-ins of
+    every other test package."""
+    for name in ("pytest", "xdist", "triton", "numpy", "tiktoken"):  # torch: the sandbox's own (Sandbox.torch)
+        (box.site / name).mkdir()
+        (box.site / name / "__init__.py").write_text("")
+    r = box.run("test", STUB_FIND_SPEC="real")
+    assert r.returncode == 2
+    assert box.commands() == [] and r.stdout == ""  # pytest was not started
+    assert r.stderr.splitlines() == [
+        "run.sh: the test environment is not set up (pytest-timeout not installed for python3); run ./run.sh "
+        "setup-cpu first (CPU torch + requirements-dev.txt), or python3 -m pip install -r requirements-dev.txt where "
+        "torch is already installed"]
+    (box.site / "pytest_timeout.py").write_text("")
+    assert box.run("test", STUB_FIND_SPEC="real").returncode == 0
 
 
 def test_test_command_without_pytest_says_how_to_set_up(box):
@@ -652,6 +696,45 @@ def test_record_passes_its_arguments_to_compare(box):
     r = box.run("record", "myexp", "3", "--data-path", "data/proxy", "--smoke")
     assert r.returncode == 0, r.stderr
     assert box.commands() == [["records/compare.py", "run", "myexp", "3", "--data-path", "data/proxy", "--smoke"]]
+
+
+PYTHON_FORMS = [["launch", "2", "--smoke"], ["test", "-x"], ["setup-cpu"], ["setup-gpu"], ["record", "x", "1"],
+                ["proxy"], ["train"], ["--seed", "1"], []]
+
+
+def bare_path(tmp_path, *tools):
+    """A PATH of only these tools (no python3, no stubs)."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for tool in tools:
+        (bare / tool).symlink_to(shutil.which(tool))
+    return str(bare)
+
+
+@pytest.mark.parametrize("form", PYTHON_FORMS, ids=lambda f: " ".join(f) or "none")
+def test_a_python_that_cannot_be_run_is_one_line_error_before_anything_runs(box, tmp_path, form):
+    box.gpus(8)
+    for python in ("/nonexistent", str(tmp_path)):  # missing; a folder (not executable as a program)
+        r = box.run(*form, PYTHON=python)
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        assert r.stderr.splitlines() == [
+            f"run.sh: PYTHON={python} names no runnable interpreter (not found, or not executable); set "
+            "PYTHON=/path/to/python3, or unset it to use python3 from PATH"]
+    r = box.run(*form, PATH=bare_path(tmp_path, "bash", "dirname"))  # PYTHON unset, no python3 on PATH
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr.splitlines() == ["run.sh: python3 is not on PATH (and PYTHON is not set); install Python 3, or "
+                                     "set PYTHON=/path/to/python3"]
+    assert box.calls() == []
+
+
+@pytest.mark.parametrize("word", ["--help", "help"])
+def test_help_and_unknown_words_need_no_python(box, tmp_path, word):
+    path = bare_path(tmp_path, "bash", "dirname", "cat")
+    r = box.run(word, PYTHON="/nonexistent", PATH=path)
+    assert r.returncode == 0 and r.stdout.startswith("Usage: ./run.sh") and r.stderr == ""
+    r = box.run("tset", PYTHON="/nonexistent", PATH=path)  # reported as what it is
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith("run.sh: unknown command 'tset'")
 
 
 def test_python_env_var_picks_the_interpreter(box, tmp_path):
@@ -698,7 +781,7 @@ def test_ci_script_with_stubs(box):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.rstrip().endswith("CI: ok")
     assert box.commands() == [dry_run(), dry_run("--no-index"), pip_install("--disable-pip-version-check", LOCAL_WHEEL),
-                              DEV_REQS, ["-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile", "tests"]]
+                              DEV_REQS, ["-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile"]]
 
 
 @pytest.mark.parametrize("out, rc, expect", [("2 passed, 1 failed in 3s", "1", "test suite failed (exit 1)"),
