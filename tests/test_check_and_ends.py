@@ -22,24 +22,10 @@ import torch
 
 import train_gpt as tg
 from processes import STARTED_GROUPS, kill_group
-from proxy_shards import build_shards, shard_bytes, write_shard
-# main: the fixture that runs train_gpt.main in this process
-from test_cli_and_errors import SCRIPT, TINY, child_env, main, refused  # noqa: F401
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("check") / "data"
-    build_shards(folder, train_shards=1, tokens_per_train_shard=40_000, val_tokens=5_000)
-    return folder
-
-
-def tiny_args(data, log_dir, *extra):
-    return [*TINY, "--data-path", str(data), "--log-dir", str(log_dir), *extra]
-
-
-def tree(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): (None if p.is_dir() else p.read_bytes()) for p in sorted(folder.rglob("*"))}
+from proxy_shards import shard_bytes, write_shard
+# main: the fixture that runs train_gpt.main in this process; data: tiny shards
+from test_cli_and_errors import SCRIPT, child_env, main, refused  # noqa: F401
+from test_run_guards import data, tiny_args  # noqa: F401
 
 
 def copy_data(src: Path, dst: Path) -> Path:

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 
-import train_gpt as tg
-from processes import STARTED_GROUPS, group_members, kill_group
+from processes import STARTED_GROUPS, kill_group
 from proxy_shards import build_shards
 from test_cli_and_errors import SCRIPT, TINY
-from test_run_sh import RUN_SH, TORCHRUN_REPORT, real_launch_env
+from test_run_sh import RUN_SH, TORCHRUN_REPORT, real_launch_env, workers_of
 
 pytestmark = pytest.mark.slow
 ENDLESS = ["--num-scheduled-iterations", "10000", "--train-epochs", "100"]  # runs until stopped
@@ -33,18 +32,6 @@ def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("launchers") / "data"
     build_shards(folder, train_shards=1, tokens_per_train_shard=40_000, val_tokens=5_000)
     return folder
-
-
-def children(pid: int) -> list:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return sorted(found)
 
 
 def rank_of(pid: int) -> int | None:
@@ -93,7 +80,7 @@ def training(launched) -> bool:
 def importing_torch(launched) -> bool:
     """Both workers started half a second ago: past Python's own start-up (its site module, before the script's first
     line, where a signal still gets the interpreter's own report), into the seconds of importing torch."""
-    if len(children(launched.proc.pid)) < 2:
+    if len(workers_of(launched.proc.pid)) < 2:
         return False
     launched.seen = getattr(launched, "seen", None) or time.monotonic()
     return time.monotonic() - launched.seen >= 0.5
@@ -142,7 +129,7 @@ def launched(data, tmp_path_factory):
         while time.monotonic() < deadline and any(not r.acted or r.alive_after_s is None for r in runs.values()):
             for run in runs.values():
                 if not run.acted and run.proc.poll() is None and run.when(run):
-                    run.workers, run.acted, run.acted_at = children(run.proc.pid), True, time.monotonic()
+                    run.workers, run.acted, run.acted_at = workers_of(run.proc.pid), True, time.monotonic()
                     run.act(run)
                 if run.acted and run.alive_after_s is None:
                     since = time.monotonic() - run.acted_at

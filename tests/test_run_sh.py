@@ -432,16 +432,16 @@ def test_launch_exits_with_a_failed_workers_status_and_at_most_one_line(shards, 
 
 
 def workers_of(pid):
-    """Pids whose parent is pid (torchrun starts each worker in a session of its own)."""
+    """Live pids whose parent is pid (torchrun starts each worker in a session of its own)."""
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and fields[0] != "Z":
             kids.append(int(stat.parent.name))
-    return kids
+    return sorted(kids)
 
 
 @pytest.mark.slow
