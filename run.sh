@@ -157,8 +157,25 @@ launch() {  # launch NPROC [train_gpt.py args...]: the check, then NPROC workers
     export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
         NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
     # Bad flags or data fail here, in one process, as one line with exit status 2; under torchrun every worker
-    # would meet them.
-    WORLD_SIZE=$n "$PY" train_gpt.py --check "$@"
+    # would meet them. A signal to this shell alone (not its group, as a terminal's Ctrl-C) is passed on to the
+    # check, which says it was interrupted; the shell then exits with its status.
+    local check rc=0
+    WORLD_SIZE=$n "$PY" train_gpt.py --check "$@" &
+    check=$!
+    trap 'kill -INT "$check" 2>/dev/null || true' INT
+    trap 'kill -TERM "$check" 2>/dev/null || true' TERM
+    trap 'kill -HUP "$check" 2>/dev/null || true' HUP
+    wait "$check" || rc=$?
+    while kill -0 "$check" 2>/dev/null; do  # that wait ended for a trap: the check is still stopping
+        rc=0
+        wait "$check" || rc=$?
+    done
+    trap - INT TERM HUP
+    case $rc in
+        0) ;;
+        2 | 129 | 130 | 143) exit "$rc" ;;  # the check said why itself
+        *) die "$rc" "the check ($PY train_gpt.py --check) ended with status $rc; is $PY a Python with torch (PYTHON picks it)?" ;;
+    esac
     # torchrun itself, as a command, answers any failed worker with its own report (a traceback, a "Root Cause"
     # table, logged "failed (exitcode ...)" lines) and exit status 1, under the trainer's one-line error. Its run()
     # is called here instead, its loggers quiet: the trainer's own exit status comes out, with at most one line.
@@ -349,6 +366,14 @@ run_tests() {
     if [ -n "$missing" ]; then
         die 2 "the test environment is not set up ($missing not installed for $PY); run ./run.sh setup-cpu first (CPU torch + requirements-dev.txt), or $PY -m pip install -r requirements-dev.txt where torch is already installed"
     fi
+    # A test file or folder that is not there: pytest would only say that no test ran.
+    local a
+    for a in "$@"; do
+        a=${a%%::*}
+        if [[ $a != -* && ($a == *.py || $a == */*) && ! -e $a ]]; then
+            die 2 "$a: no such test file or folder (paths are relative to the repository root, e.g. tests/test_model.py)"
+        fi
+    done
     # The run's own folder (tests/conftest.py): its compile caches, the process groups tests start, the test each
     # process is running. Removed at the end, whatever happened.
     local dir pid rc=0 stop=""
@@ -412,8 +437,8 @@ esac
 case "$cmd" in
     train) train "$@" ;;
     launch)
-        [[ ${1:-} =~ ^[1-9][0-9]*$ ]] ||
-            die 2 "launch needs the number of processes first, a positive integer (got '${1:-}'); usage: ./run.sh launch NPROC [TRAIN_ARGS...]"
+        [[ ${1:-} =~ ^[1248]$ ]] ||
+            die 2 "launch needs the number of processes first: 1, 2, 4 or 8 on this machine (got '${1:-}'); usage: ./run.sh launch NPROC [TRAIN_ARGS...]"
         launch "$@" ;;
     setup-gpu | setup-cpu)
         [ $# -eq 0 ] || die 2 "$cmd takes no arguments (got: $*); ./run.sh --help shows the usage"

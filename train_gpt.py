@@ -47,7 +47,8 @@ def env_rank() -> int:
                                                                       ("LOCAL_RANK", "0")))
     except ValueError:
         return 0
-    return rank if 0 <= local <= rank < world else 0
+    started_by_torchrun = world == 1 or bool(os.environ.get("MASTER_ADDR"))
+    return rank if 0 <= local <= rank < world and started_by_torchrun else 0
 
 def launcher_gone() -> bool:
     """Whether the process that started this worker has died: exactly under ./run.sh launch, which names itself;
@@ -112,6 +113,7 @@ import subprocess
 import sysconfig
 import tempfile
 import time
+import traceback
 import uuid
 import warnings
 import zipfile
@@ -178,7 +180,7 @@ class Hyperparameters:
                                             "steps (the warm-up wins where they overlap)", NONNEGATIVE, length=3)
     warmup_steps_per_stage: int = setting(10, "untimed warm-up steps per stage before the clock starts", "[2, inf)")
     # model
-    vocab_size: int = setting(50257, "vocabulary (padded to a multiple of 128); shards hold uint16", "[1, 65536]")
+    vocab_size: int = setting(50257, "vocabulary (padded to a multiple of 128); shards hold uint16", "[50257, 65536]")
     num_layers: int = setting(12, "transformer blocks (the layer map is defined for 12 only)", "[12, 12]")
     model_dim: int = setting(768, "width of the residual stream", "[12, inf)")
     num_heads: int = setting(6, "attention heads", COUNT)
@@ -346,7 +348,6 @@ def validate_args(args: Hyperparameters):
          f"<log-dir>/<run-id>.txt)")
     need(parse_kernels(args.kernels) is not None, f"--kernels must be fused, plain or a comma-separated list of "
                                                   f"{', '.join(FUSED_KERNELS)}; got {args.kernels!r}")
-    need(args.vocab_size > BOS_ID, f"--vocab-size must exceed {BOS_ID}, the <|endoftext|> id the shards hold")
     need(args.model_dim == args.num_heads * args.head_dim,
          f"--model-dim ({args.model_dim}) must equal --num-heads x --head-dim ({args.num_heads}x{args.head_dim})")
     need(args.head_dim % 4 == 0, "--head-dim must be a multiple of 4 (half-truncated rotary)")
@@ -2075,14 +2076,15 @@ def read_shard_header(path) -> int:
 
 SCAN_CHUNK_TOKENS = 1 << 24
 
-def scan_shard(path, vocab_size: int, documents: bool) -> None:
-    """What a shard's header cannot show, in one vectorised pass (--check): every token id below vocab_size, 16-bit
-    tokens (not 32-bit ones under a header that counts twice as many: every other id would be 0) and, in a training
-    shard (documents), the <|endoftext|> token that starts every document."""
+def scan_shard(path, vocab_size: int, max_seq_len: int = None) -> int:
+    """What a shard's header cannot show, in one vectorised pass: every token id below vocab_size, 16-bit tokens (not
+    32-bit ones under a header that counts twice as many: every other id would be 0) and, in a training shard (given
+    max_seq_len), the <|endoftext|> token that starts every document. Returns the tokens training can take from it:
+    each document's first max_seq_len (the loader cuts the rest)."""
     num_tokens = read_shard_header(path)
     tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(num_tokens,)) if num_tokens else \
         np.zeros(0, dtype="<u2")
-    documents_seen, odd_ids_nonzero = 0, False
+    starts, odd_ids_nonzero = [], False
     for start in range(0, num_tokens, SCAN_CHUNK_TOKENS):
         chunk = tokens[start:start + SCAN_CHUNK_TOKENS]
         top = int(chunk.max())
@@ -2090,14 +2092,18 @@ def scan_shard(path, vocab_size: int, documents: bool) -> None:
             where = start + int(np.argmax(chunk >= vocab_size))
             raise ShardError(f"shard {path} holds token id {int(tokens[where])} at position {where}, not below "
                              f"--vocab-size {vocab_size}: rebuild it with this tokenizer, or raise --vocab-size")
-        documents_seen += int(np.count_nonzero(chunk == BOS_ID))
+        starts.append(np.flatnonzero(chunk == BOS_ID) + start)
         odd_ids_nonzero = odd_ids_nonzero or bool(chunk[1::2].any())  # chunks start at even positions
     if num_tokens >= 2 * HEADER_INTS and not odd_ids_nonzero:
-        raise ShardError(f"shard {path}: every other token id is 0, as when 32-bit tokens are read as 16-bit ones: "
-                         "the format holds uint16 tokens (data/fineweb.py writes it)")
-    if documents and documents_seen == 0:
+        raise ShardError(f"shard {path}: every other token id is 0 (32-bit tokens read as 16-bit ones, or no text at "
+                         "all): the format holds uint16 GPT-2 tokens, as data/fineweb.py writes them")
+    if max_seq_len is None:
+        return num_tokens
+    starts = np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+    if len(starts) == 0:
         raise ShardError(f"training shard {path} holds no <|endoftext|> ({BOS_ID}), which starts every document: "
                          "rebuild it with data/fineweb.py")
+    return int(np.minimum(np.diff(starts, append=num_tokens), max_seq_len).sum())
 
 def load_data_shard(path, pin_memory: bool = False) -> Tensor:
     """Read a shard's tokens straight into a (optionally pinned) uint16 tensor, no intermediate bytes."""
@@ -2805,8 +2811,10 @@ def summary_line(args: Hyperparameters, runtime: "Runtime", result: RunResult) -
             f"{result.train_time_ms / 1000:.3f}s, step_avg {result.train_time_ms / max(result.steps, 1):.2f}ms, "
             f"{memory}, target {TARGET_VAL_LOSS} {reached}")
 
-class RunStopped(Exception):
-    """The run ends early with a message for the log's last line and an exit status (no traceback)."""
+class RunStopped(BaseException):
+    """The run ends early with a message for the log's last line and an exit status (no traceback). Not an Exception,
+    as KeyboardInterrupt is not: raised from a signal handler, it must pass through library code that catches those
+    (a lazy import of Dynamo does)."""
     status = 1
 
     def last_line(self, where: str) -> str:
@@ -3145,7 +3153,7 @@ class Runtime:
     rank: int
     local_rank: int
     world_size: int
-    launched: bool            # started by torchrun (RANK set): a process group even for one process
+    launched: bool            # started by torchrun (RANK, MASTER_ADDR set): a process group even for one process
     grad_accum_steps: int     # micro-batches per step: 8 // world_size, so the global batch never changes
     compile: bool
     fp8: bool
@@ -3192,8 +3200,9 @@ def pick_device(args: Hyperparameters) -> str:
         return "cpu"
     raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
 
-def launcher_variables(env) -> tuple[int, int, int]:
-    """(WORLD_SIZE, RANK, LOCAL_RANK) as torchrun sets them (1, 0, 0 without it), checked."""
+def launcher_variables(env, check: bool = False) -> tuple[int, int, int]:
+    """(WORLD_SIZE, RANK, LOCAL_RANK) as torchrun sets them (1, 0, 0 without it), checked; `check` (--check for
+    WORLD_SIZE processes, which it does not start) needs no rendezvous."""
     values = {}
     for name, default in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
         text = env.get(name, default)
@@ -3205,11 +3214,16 @@ def launcher_variables(env) -> tuple[int, int, int]:
     if world < 1 or rank >= world or local > rank:
         raise ConfigError(f"WORLD_SIZE={world}, RANK={rank}, LOCAL_RANK={local} do not describe a process of a run "
                           "(a rank is below the world size): unset them to run one process, or launch with torchrun")
+    grad_accum_steps_for(world)  # a world size that is not supported is said first
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if world > 1 and missing and not check:
+        raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: start the processes with torchrun "
+                          "(./run.sh launch N), or unset WORLD_SIZE to run one process")
     return world, rank, local
 
 def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
     """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read."""
-    world_size, rank, local_rank = launcher_variables(env)
+    world_size, rank, local_rank = launcher_variables(env, check=args.check or args.check_flags)
     device = pick_device(args)
     if device != args.device and device == "cpu" and rank == 0:
         print("note: no CUDA device found, so the smoke run trains on the CPU (--device cpu says so and silences "
@@ -3224,7 +3238,8 @@ def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
     fp8 = args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda")
     kernels, notes = resolve_kernels(args.kernels, device, fp8)
     return Runtime(device=device, rank=rank, local_rank=local_rank,
-                   world_size=world_size, launched="RANK" in env, grad_accum_steps=grad_accum_steps_for(world_size),
+                   world_size=world_size, launched=bool(env.get("MASTER_ADDR")) and "RANK" in env,
+                   grad_accum_steps=grad_accum_steps_for(world_size),
                    compile=use_compile, fp8=fp8, kernels=kernels, kernel_notes=tuple(notes),
                    cuda_graphs=args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device == "cuda"
                                                            and use_compile),
@@ -3263,12 +3278,12 @@ def check_outputs(args: Hyperparameters) -> None:
     check_writable(Path(args.log_dir), "--log-dir")
     if args.run_id:
         log, folder = log_path(args, args.run_id), Path(args.log_dir) / args.run_id
+        if os.path.lexists(log) and not log.is_file():
+            raise ConfigError(f"{log} exists and is not a file: pick another --run-id")
         for old in (log, folder):
             if os.path.lexists(old) and not args.replace_log:
                 raise ConfigError(f"{old} exists (a run with --run-id {args.run_id}): pick another --run-id, or add "
                                   "--replace-log to replace it")
-        if os.path.lexists(log) and not log.is_file():
-            raise ConfigError(f"{log} exists and is not a file: pick another --run-id")
         if os.path.lexists(log) and not is_our_log(log):
             raise ConfigError(f"{log} is not a log of this trainer (it does not start with {LOG_SIGNATURE}): "
                               "--replace-log replaces only those; move it away, or pick another --run-id")
@@ -3294,9 +3309,10 @@ def tokens_needed(args: Hyperparameters) -> int:
     ends = [s.first_step for s in table[1:]] + [total]
     return sum(s.batch_size * max(0, min(end, total) - s.first_step) for s, end in zip(table, ends))
 
-def find_data(args: Hyperparameters, runtime: Runtime, scan: bool = False):
-    """Check the data before any process group exists or any file is written. Every rank reads the same headers,
-    so a problem is a ConfigError (reported once, by rank 0). scan (--check): every token of every shard too."""
+def find_data(args: Hyperparameters, runtime: Runtime, scan: bool = True):
+    """Check the data before any process group exists or any file is written. Every rank reads the same shards, so a
+    problem is a ConfigError (reported once, by rank 0). scan: every token of every shard too (not where ./run.sh
+    launch has run --check before the workers, or once more when build_trainer looks the shards up again)."""
     folder = Path(args.data_path)
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"--data-path {folder} is a file: give the folder that holds the shards")
@@ -3316,19 +3332,20 @@ def find_data(args: Hyperparameters, runtime: Runtime, scan: bool = False):
         raise ConfigError(f"{both[0]} matches both --train-files {args.train_files!r} and --val-files "
                           f"{args.val_files!r}: training on the validation data would void the metric; narrow them")
     try:
-        train_tokens = sum(read_shard_header(f) for f in train_files)
-        val_tokens = read_shard_header(val_files[0])
         if scan:
-            for f in train_files:
-                scan_shard(f, args.vocab_size, documents=True)
-            scan_shard(val_files[0], args.vocab_size, documents=False)
+            train_tokens = sum(scan_shard(f, args.vocab_size, args.train_max_seq_len) for f in train_files)
+            val_tokens = scan_shard(val_files[0], args.vocab_size)
+        else:
+            train_tokens = sum(read_shard_header(f) for f in train_files)
+            val_tokens = read_shard_header(val_files[0])
     except ShardError as e:
         raise ConfigError(str(e)) from None
     needed = tokens_needed(args)
     if train_tokens * args.train_epochs < needed:
+        usable = f" usable (each document's first --train-max-seq-len {args.train_max_seq_len})" if scan else ""
         raise ConfigError(f"too little training data: the schedule consumes {needed:,} tokens but "
                           f"{len(train_files)} shard(s) x {args.train_epochs} epoch(s) hold "
-                          f"{train_tokens * args.train_epochs:,}; add shards or raise --train-epochs")
+                          f"{train_tokens * args.train_epochs:,}{usable}; add shards or raise --train-epochs")
     if val_tokens < args.val_tokens + 1:
         raise ConfigError(f"validation shard {val_files[0]} holds {val_tokens:,} tokens, fewer than "
                           f"--val-tokens {args.val_tokens:,} + 1: lower --val-tokens (and --val-batch-size)")
@@ -3378,7 +3395,7 @@ def build_model_and_optimizers(args: Hyperparameters, runtime: Runtime):
 def build_trainer(args: Hyperparameters, runtime: Runtime, log_file: Path, replace_log: bool = False) -> "Trainer":
     """Everything a run needs, in one place (run() and bench/bench.py both call this): data and output paths checked
     first, then the process group, the model and optimizers, and last the log with its header."""
-    train_files, val_file = find_data(args, runtime)
+    train_files, val_file = find_data(args, runtime, scan=False)
     check_writable(log_file.parent, "--log-dir")
     lock = RunLock.acquire(log_file) if runtime.master else None  # the run id is this run's from here to the end
     setup_process_group(runtime)
@@ -3535,8 +3552,7 @@ def save_compile_cache(path: Path) -> str:
     if os.path.lexists(path) and not is_our_bundle(path):  # it appeared since check_outputs
         return f"compile cache: {path} is not a bundle of this trainer; not written over"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = new_file_beside(path)
     files = 0
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
@@ -3616,7 +3632,7 @@ def run(args: Hyperparameters) -> None:
         runtime = resolve_runtime(args)
         check_model(args, runtime)
         if args.check:
-            find_data(args, runtime, scan=True)
+            find_data(args, runtime)
             check_outputs(args)
         print(f"check: ok: {runtime.world_size} process(es) on {runtime.device}, fused kernels {runtime.fused}, "
               f"{runtime.grad_accum_steps} micro-batch(es) per step, "
@@ -3625,7 +3641,8 @@ def run(args: Hyperparameters) -> None:
     check_outputs(args)
     default_kernel_cache_dirs(triton=False)  # FA4 and quack read theirs at import: before resolve_runtime imports them
     runtime = resolve_runtime(args)
-    find_data(args, runtime)  # bad data is refused before the compile cache's imports (build_trainer reads it again)
+    # Bad data is refused before the compile cache's imports. ./run.sh launch ran --check, which read every token.
+    find_data(args, runtime, scan=not os.environ.get(LAUNCHER_PID_ENV))
     cache_path, cache_loaded, cache_line = open_compile_cache(args)
     run_id = args.run_id or str(uuid.uuid4())
     trainer = build_trainer(args, runtime, log_path(args, run_id), replace_log=args.replace_log)
@@ -3655,32 +3672,50 @@ def run(args: Hyperparameters) -> None:
     log.close()
 
 
+def new_file_beside(path: Path) -> str:
+    """A new temporary file in path's folder (renamed to path once written: never half a file), readable as any new
+    file is (mkstemp's own mode is the owner's only)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    os.close(fd)
+    return tmp
+
 def save_checkpoint(path: Path, trainer: "Trainer", steps: int) -> None:
     """Model and optimizer states, written to a new file beside `path` and renamed: never half a checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    made = make_folders(path.parent)
+    tmp = new_file_beside(path)
     try:
         torch.save(dict(step=steps, code=Path(__file__).read_text(), model=trainer.model.state_dict(),
                         optimizers=[trainer.adam.state_dict(), trainer.muon.state_dict()]), tmp)
         Path(tmp).replace(path)
+    except RuntimeError as e:  # torch.save's own report of a failed write (a full disk)
+        raise OSError(None, f"cannot write the checkpoint ({str(e).splitlines()[0]})", str(path)) from None
     finally:
         Path(tmp).unlink(missing_ok=True)
+        for folder in reversed(made if not path.exists() else []):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 RANK0_REPORT_GRACE_S = 3.0  # how long the other ranks wait for rank 0 to report a config error
+
+def ignore_further_signals():
+    """A second signal (Ctrl-C twice, the launcher's SIGTERM after one) adds nothing to the stop under way. A handler
+    that does nothing, not SIG_IGN: Python raises an error for a signal that arrived before the switch to SIG_IGN."""
+    for s in (*STOP_SIGNALS, LAUNCHER_DIED):
+        signal.signal(s, lambda signum, frame: None)
 
 def stop_on_signal(signum, frame):
     """SIGINT, SIGTERM and SIGHUP end the run through Interrupted: the log's closing line, one console line, exit
     128+N."""
-    for s in (*STOP_SIGNALS, LAUNCHER_DIED):
-        signal.signal(s, signal.SIG_IGN)  # a second signal (Ctrl-C twice, the launcher's SIGTERM) adds nothing
+    ignore_further_signals()
     raise Interrupted(signum)
 
 def stop_on_launcher_death(signum, frame):
     if os.getppid() == STARTED_BY:  # the launcher lives: a stray signal
         return
-    for s in (*STOP_SIGNALS, LAUNCHER_DIED):
-        signal.signal(s, signal.SIG_IGN)
+    ignore_further_signals()
     raise LauncherDied()
 
 def exit_on_signal(said: str):
@@ -3734,10 +3769,11 @@ def main(argv=None) -> int:
         signal.signal(s, stop_on_signal)
     signal.signal(LAUNCHER_DIED, stop_on_launcher_death)
     prefix = "error" if rank == 0 else f"error (rank {rank})"
+    status = 1
     try:
         args = parse_args(argv)
         run(args)
-        return 0
+        status = 0
     except (ConfigError, ShardError, DataExhausted) as e:
         # Config errors are seen identically by every rank: rank 0 speaks for all. Data errors during training
         # may hit one rank only, so that rank reports it (torchrun then stops the others).
@@ -3749,32 +3785,39 @@ def main(argv=None) -> int:
             # ending quietly on torchrun's SIGTERM (rank 0 said it all).
             exit_on_signal("")
             time.sleep(RANK0_REPORT_GRACE_S)
-        return 2
+        status = 2
     except RunStopped as stop:
         stop_run(stop, rank)
     except OSError as e:  # a full disk, a folder taken away: one line, and the log keeps what it has
         said = f"{e.filename or 'input/output'}: {e.strerror or e}"
         end_log(f"stopped {where_the_run_is()}: {said}")
         print(f"{prefix}: {said}", file=sys.stderr, flush=True)
-        return OUTPUT_FAILED
+        status = OUTPUT_FAILED
     except Exception as e:
         where = where_the_run_is()
         if collective_failed(e):
             stop_run(PeerGone(), rank)
         if not out_of_memory(e):
             end_log(f"crashed {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            raise  # a bug: its traceback
+            if not dist.is_initialized():
+                raise  # a bug: its traceback
+            traceback.print_exc()  # the same, before the exit without the teardown below
         device = "GPU" if isinstance(e, torch.OutOfMemoryError) else "machine"
         said = (f"these settings need more than this {device} has; shrink the tokens per process "
                 "(--train-bs-schedule, --train-bs-extension, --val-batch-size) or the model (--model-dim), or use more "
                 "GPUs")
         end_log(f"stopped {where}: out of memory: {said}")
         print(f"{prefix}: out of memory {where}: {said}", file=sys.stderr, flush=True)
-        return 2
+        status = 2
     finally:
         exit_on_signal("after the run ended")  # nothing is left to close; the teardown below may still take a moment
         if dist.is_initialized():
+            if status != 0:  # the other ranks may be gone: the teardown could wait on them
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
             dist.destroy_process_group()
+    return status
 
 if __name__ == "__main__":
     sys.exit(main())

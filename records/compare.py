@@ -237,7 +237,7 @@ def parse_log(path: Path | str) -> Run:
 
 
 def folder_logs(folder: Path) -> list[Path]:
-    return sorted(q for q in folder.glob("*.txt") if q.is_file())
+    return sorted(q for q in folder.glob("*.txt") if not q.is_dir())  # a broken link too: it is named as skipped
 
 
 def spec_paths(spec) -> list[Path]:
@@ -757,6 +757,12 @@ def record_folder(out_dir, name: str, date: str | None, force: bool, not_a_recor
     folder = out_dir / f"{date}_{name}"
     if folder.exists() and not force:
         raise UsageError(f"{folder} already exists: pick another NAME, or add --force to replace it")
+    if folder.exists():  # --force replaces only what this tool wrote: the logs, README.md, plot.png
+        others = sorted(f.name for f in folder.iterdir()
+                        if f.is_dir() or not (f.suffix == ".txt" or f.name in ("README.md", "plot.png")))
+        if others:
+            raise UsageError(f"{folder} holds files this tool did not write ({', '.join(others)}): --force replaces "
+                             "only a folder it made; move them away, or pick another NAME")
     return folder
 
 
@@ -1251,9 +1257,12 @@ def cmd_summary(args) -> int:
 def cmd_compare(args) -> int:
     new, prior = load_set([args.new], args.target), load_set([args.prior], args.target)
     disjoint_sets(new.runs, prior.runs)
-    print(compare_text(new, prior))
-    if not new.runs or not prior.runs:
+    if not new.runs or not prior.runs:  # nothing to compare: the skipped files, then why
+        for s, prefix in ((new, "NEW "), (prior, "PRIOR ")):
+            for line in skipped_lines(s, prefix):
+                print(line)
         raise UsageError(f"{'NEW' if not new.runs else 'PRIOR'} has no finished runs (see the SKIPPED lines)")
+    print(compare_text(new, prior))
     return 0
 
 

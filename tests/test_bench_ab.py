@@ -127,15 +127,16 @@ def test_a_failed_run_stops_new_pairs_and_fails_the_call(stub):
 
 
 def test_sigterm_kills_the_running_command_and_writes_what_finished(stub):
-    proc = subprocess.Popen([sys.executable, str(BENCH / "ab.py"), *stub.argv("--pairs", "2", sleep={"b1": 60})],
+    proc = subprocess.Popen([sys.executable, str(BENCH / "ab.py"), *stub.argv("--pairs", "2", sleep={"b1": 300})],
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     STARTED_GROUPS.add(proc.pid)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90  # generous: the suite's other worker may keep both cores busy
         while len(stub.calls()) < 2 and time.monotonic() < deadline:  # b1 has started its minute of sleep
             time.sleep(0.05)
+        assert len(stub.calls()) == 2, "b1 never started"
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=90)
     finally:
         kill_group(proc.pid)
     assert proc.returncode == 143, err

@@ -120,21 +120,39 @@ BAD_SHARDS = [
 ]
 
 
+@pytest.mark.parametrize("mode", [("--check",), ()], ids=["check", "run"])
 @pytest.mark.parametrize("spoil,extra,says", BAD_SHARDS, ids=["fifo", "vocabulary", "32-bit", "no-bos", "overlap"])
-def test_a_bad_shard_is_refused_by_check_in_one_line(main, data, tmp_path, spoil, extra, says):
+def test_a_bad_shard_is_refused_in_one_line_by_check_and_by_a_run_started_without_it(main, data, tmp_path, spoil,
+                                                                                      extra, says, mode):
     bad = copy_data(data, tmp_path / "data")
     if spoil:
         spoil(bad)
     before = {p.name: (p.read_bytes() if p.is_file() else None) for p in bad.iterdir()}
-    refused(main(tiny_args(bad, tmp_path / "logs", *extra, "--check")), says)
+    refused(main(tiny_args(bad, tmp_path / "logs", *extra, *mode)), says)
     assert {p.name: (p.read_bytes() if p.is_file() else None) for p in bad.iterdir()} == before
     assert not (tmp_path / "logs").exists()
 
 
-def test_a_fifo_among_the_shards_is_refused_by_a_run_too(main, data, tmp_path):
+def test_the_workers_of_run_sh_launch_leave_the_scan_to_its_check(main, data, tmp_path, monkeypatch):
     bad = copy_data(data, tmp_path / "data")
-    fifo_val(bad)
-    refused(main(tiny_args(bad, tmp_path / "logs")), "is not a regular file")
+    id_past_the_vocabulary(bad)
+    scanned = []
+    monkeypatch.setattr(tg, "scan_shard", lambda *a, **k: scanned.append(a))
+    monkeypatch.setenv(tg.LAUNCHER_PID_ENV, str(os.getppid()))  # as ./run.sh launch names itself, after --check
+    monkeypatch.setattr(tg.Trainer, "warm_up_kernels", lambda self: (_ for _ in ()).throw(tg.Interrupted(2)))
+    status, out, err = main(tiny_args(bad, tmp_path / "logs", "--run-id", "x"))
+    assert status == 130 and scanned == [], (out, err)
+
+
+def test_a_schedule_longer_than_the_documents_can_feed_is_refused_before_it_starts(main, data, tmp_path):
+    """Each document gives its first --train-max-seq-len tokens (64 here): 40,000 tokens of ~300-token documents
+    feed far fewer than 40,000."""
+    line = refused(main(tiny_args(data, tmp_path / "logs", "--num-scheduled-iterations", "300")),
+                   "too little training data: the schedule consumes 38,400 tokens", "usable (each document's first "
+                   "--train-max-seq-len 64)")
+    usable = int(line.split(" hold ")[1].split(" usable")[0].replace(",", ""))
+    starts = np.flatnonzero(train_tokens(data) == tg.BOS_ID)
+    assert usable == int(np.minimum(np.diff(starts, append=len(train_tokens(data))), 64).sum()) < 38_400
     assert not (tmp_path / "logs").exists()
 
 
@@ -180,6 +198,21 @@ def test_a_log_dir_that_is_a_symbolic_link_to_a_folder_is_followed(main, data, t
 def test_launcher_variables_that_describe_no_process_are_one_line(main, data, tmp_path, env, says, mode):
     refused(main(tiny_args(data, tmp_path / "logs", *mode), **env), says)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("env", [dict(RANK="1", WORLD_SIZE="2"), dict(WORLD_SIZE="2")], ids=["rank-1-of-2", "world-2"])
+def test_a_world_of_several_without_torchrun_is_one_line(main, data, tmp_path, env):
+    refused(main(tiny_args(data, tmp_path / "logs"), **env), "WORLD_SIZE=2 but", "MASTER_ADDR, MASTER_PORT not set",
+            "start the processes with torchrun")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_single_process_world_exported_without_torchrun_runs_alone(main, data, tmp_path):
+    """RANK=0 WORLD_SIZE=1 LOCAL_RANK=0, as a job script might export: no rendezvous to wait for."""
+    status, out, err = main(tiny_args(data, tmp_path / "logs", "--run-id", "alone"), RANK="0", WORLD_SIZE="1",
+                            LOCAL_RANK="0")
+    assert status == 0 and err == "", err
+    assert (tmp_path / "logs" / "alone.txt").read_text().splitlines()[-1].startswith("summary:")
 
 
 # ----------------------------------------------------------------------------------------------------

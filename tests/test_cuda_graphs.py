@@ -240,16 +240,21 @@ def test_gradients_set_to_none_come_back_zeroed_and_eager_ones_are_copied_into_t
         model.zero_grad(set_to_none=True)
 
 
+def torchrun_env(world_size, rank) -> dict:
+    """The launcher's variables of a rank that torchrun started."""
+    return dict(WORLD_SIZE=str(world_size), RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
 def test_cuda_graphs_resolve_on_with_cuda_and_compile_at_every_world_size_and_refuse_the_cpu(monkeypatch):
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off"])
     assert tg.resolve_runtime(args, env={}).cuda_graphs is False  # auto on the CPU
-    assert tg.resolve_runtime(args, env={"WORLD_SIZE": "2", "RANK": "0"}).cuda_graphs is False  # gloo: eager
+    assert tg.resolve_runtime(args, env=torchrun_env(2, 0)).cuda_graphs is False  # gloo
     with pytest.raises(tg.ConfigError, match="needs a CUDA GPU"):
         tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--cuda-graphs", "on"]), env={})
     # where CUDA is visible (faked: resolve_runtime only asks whether it is; plain kernels need no GPU check)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     on_cuda = lambda *flags, world="1": tg.resolve_runtime(tg.parse_args(["--kernels", "plain", *flags]),
-                                                          env={"WORLD_SIZE": world, "RANK": "0"})
+                                                          env=torchrun_env(world, 0))
     assert all(on_cuda(world=w).cuda_graphs is True for w in ("1", "2", "4", "8"))
     assert on_cuda("--compile", "off").cuda_graphs is False  # graphs of eager kernels: no
     assert on_cuda("--cuda-graphs", "off").cuda_graphs is False
@@ -385,7 +390,7 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data, one_micro_batch=F
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0", "--model-dim", "64",
                           "--num-heads", "1", "--train-bs-schedule", "128,256,384", "--train-bs-extension", "384",
                           "--train-max-seq-len", "128", "--data-path", str(data)])
-    runtime = tg.resolve_runtime(args, env={"WORLD_SIZE": str(world_size), "RANK": str(rank)})
+    runtime = tg.resolve_runtime(args, env=torchrun_env(world_size, rank))
     batch_size = tg.stages(args)[0].batch_size
     if one_micro_batch:
         batch_size //= runtime.grad_accum_steps

@@ -23,7 +23,7 @@ from test_cli_and_errors import SCRIPT, TINY
 from test_run_sh import RUN_SH, TORCHRUN_REPORT, real_launch_env, workers_of
 
 pytestmark = pytest.mark.slow
-ENDLESS = ["--num-scheduled-iterations", "10000", "--train-epochs", "100"]  # runs until stopped
+ENDLESS = ["--num-scheduled-iterations", "10000", "--train-epochs", "1000"]  # runs until stopped
 DIES_WITHIN_S = 5.0
 
 

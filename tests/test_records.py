@@ -1124,3 +1124,37 @@ def test_run_interrupted_ends_cleanly_and_leaves_nothing_running(tmp_path, sig):
         f"{finished}"]
     assert not (tmp_path / "out").exists()
     assert [pid for pid in pids if _running(pid)] == [] and group_members(proc.pid) == []
+
+
+def test_new_force_replaces_only_a_folder_the_tool_made(tmp_path, capsys):
+    logs = write_set(tmp_path / "logs", [3.2770, 3.2775])
+    out_dir = tmp_path / "recs"
+    args = ("new", "y", *logs, "--not-a-record", "--out", out_dir, "--date", "2020-01-01")
+    assert cli(capsys, *args)[0] == 0
+    folder = out_dir / "2020-01-01_y"
+    assert cli(capsys, *args, "--force")[0] == 0  # its own folder: replaced
+    (folder / "keep.md").write_text("the user's notes\n")
+    before = _sha256s(out_dir)
+    code, out, err = cli(capsys, *args, "--force")
+    assert code == 2 and out == "" and err.splitlines() == [
+        f"error: {folder} holds files this tool did not write (keep.md): --force replaces only a folder it made; move "
+        "them away, or pick another NAME"], err
+    assert _sha256s(out_dir) == before
+
+
+def test_compare_with_no_finished_run_on_one_side_names_the_skipped_files_and_prints_no_table(tmp_path, capsys):
+    new = write_set(tmp_path / "new", [3.2770])
+    diverged = tmp_path / "prior" / "diverged.txt"
+    diverged.parent.mkdir()
+    diverged.write_text(make_log(3.2770, finish=False))
+    code, out, err = cli(capsys, "compare", new[0], diverged)
+    assert code == 2 and err.splitlines() == ["error: PRIOR has no finished runs (see the SKIPPED lines)"], err
+    assert len(out.splitlines()) == 1 and out.startswith(f"PRIOR SKIPPED {diverged}: unfinished run"), out
+
+
+def test_a_broken_link_among_a_folders_logs_is_named_as_skipped(tmp_path, capsys):
+    logs = write_set(tmp_path / "logs", [3.2770, 3.2775])
+    (tmp_path / "logs" / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    code, out, err = cli(capsys, "summary", tmp_path / "logs")
+    assert code == 0, err
+    assert _skipped(out) == [f"SKIPPED {tmp_path / 'logs' / 'gone.txt'}: unreadable: No such file or directory"]

@@ -76,8 +76,8 @@ OUT_OF_RANGE = [  # (flags, what the one line says)
     (["--adam-eps", "0"], "--adam-eps must be in (0, inf), got 0.0"),
     (["--muon-beta2", "1"], "--muon-beta2 must be in [0, 1), got 1.0"),
     (["--warmup-steps-per-stage", "1"], "--warmup-steps-per-stage must be in [2, inf), got 1"),
-    (["--vocab-size", "50256"], "--vocab-size must exceed 50256"),
-    (["--vocab-size", "65537"], "--vocab-size must be in [1, 65536], got 65537"),
+    (["--vocab-size", "50256"], "--vocab-size must be in [50257, 65536], got 50256"),
+    (["--vocab-size", "65537"], "--vocab-size must be in [50257, 65536], got 65537"),
     (["--val-loss-every", "-1"], "--val-loss-every must be in [0, inf), got -1"),
     (["--kernels", "attention,flash"], "--kernels must be fused, plain or a comma-separated list"),
 ]
@@ -201,12 +201,15 @@ def test_an_existing_checkpoint_folder_of_the_run_id_is_refused_and_left_as_it_w
     assert tree(tmp_path) == before
 
 
-def test_replace_log_does_not_replace_a_folder_where_the_log_would_go(main, data, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--replace-log",)], ids=["run", "run --replace-log"])
+def test_a_folder_where_the_log_would_go_is_refused_as_such_and_replace_log_is_not_offered(main, data, tmp_path,
+                                                                                         extra):
     logs = tmp_path / "logs"
     (logs / "taken.txt").mkdir(parents=True)
     before = tree(tmp_path)
-    refused(main(tiny_args(data, logs, "--run-id", "taken", "--replace-log")), str(logs / "taken.txt"),
-            "is not a file")
+    line = refused(main(tiny_args(data, logs, "--run-id", "taken", *extra)), str(logs / "taken.txt"),
+                   "is not a file")
+    assert "--replace-log" not in line
     assert tree(tmp_path) == before
 
 
@@ -505,7 +508,7 @@ def runs(data, tmp_path_factory):
     logs = tmp_path_factory.mktemp("runs") / "logs"
     logs.mkdir()
     (logs / "replaced.txt").write_bytes(EARLIER_LOG)
-    endless = ["--num-scheduled-iterations", "10000", "--train-epochs", "100"]  # runs until signalled
+    endless = ["--num-scheduled-iterations", "10000", "--train-epochs", "1000"]  # runs until signalled
     launches = dict(
         diverged=Launch(tiny_args(data, logs / "diverged", "--adam-lr", "1e30", "--muon-lr", "1e30")),
         sigint=Launch(tiny_args(data, logs, "--run-id", "sigint", *endless), logs / "sigint.txt",
@@ -588,3 +591,60 @@ def test_a_second_run_of_a_run_id_still_training_is_refused_and_the_first_log_is
     assert text.startswith(SCRIPT.read_text()) and last_line(text).startswith("summary: val_loss ")
     assert len(re.findall(r"^step:\d+/40 train_time", text, re.M)) == 40  # every step, once
     assert not (first.log.parent / "held.lock").exists()
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_no_empty_folder(main, data, tmp_path,
+                                                                                  monkeypatch):
+    def full_disk(obj, f, *args, **kwargs):  # torch.save's own report of a failed write
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0\n"
+                           "PytorchStreamWriter failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    logs = tmp_path / "logs"
+    status, out, err = main(tiny_args(data, logs, "--run-id", "ck", "--save-checkpoint"))
+    said = f"{logs / 'ck' / 'state_step000004.pt'}: cannot write the checkpoint ([enforce fail at inline_container.cc:664]"
+    assert status == tg.OUTPUT_FAILED and err.splitlines() == [f"error: {said} . unexpected pos 64 vs 0)"], err
+    assert sorted(os.listdir(logs)) == ["ck.txt"]  # no folder, no temporary file
+    assert last_line(log_text(logs / "ck.txt")).startswith(f"stopped while saving the checkpoint: {said}")
+
+
+def test_a_checkpoint_is_as_readable_as_the_log(main, data, tmp_path):
+    logs = tmp_path / "logs"
+    status, out, err = main(tiny_args(data, logs, "--run-id", "ck", "--save-checkpoint"))
+    assert status == 0, err
+    mode = lambda p: p.stat().st_mode & 0o777
+    assert mode(logs / "ck" / "state_step000004.pt") == mode(logs / "ck.txt") == 0o666 & ~current_umask()
+
+
+def current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def test_a_run_stop_passes_through_code_that_catches_exceptions():
+    """A signal's Interrupted, raised inside a library that catches Exception (Dynamo's lazy imports do), reaches
+    main() all the same."""
+    for stop in (tg.Interrupted(signal.SIGINT), tg.LauncherDied(), tg.PeerGone(), tg.TrainingDiverged("x")):
+        with pytest.raises(tg.RunStopped):
+            try:
+                raise stop
+            except Exception:  # what a library does
+                pass
+
+
+def test_a_second_signal_while_the_first_one_stops_the_run_adds_nothing(main, data, tmp_path, monkeypatch):
+    def nvidia_smi():  # Ctrl-C, and the launcher's SIGTERM right behind it, before the first is handled
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        time.sleep(5)
+        return "nvidia-smi: not available\n"
+
+    monkeypatch.setattr(tg, "nvidia_smi", nvidia_smi)
+    status, out, err = main(tiny_args(data, tmp_path / "logs", "--run-id", "twice"))
+    assert status in (130, 143) and err == "", err
+    text = log_text(tmp_path / "logs" / "twice.txt")
+    assert last_line(text) in ("interrupted by SIGINT while starting", "interrupted by SIGTERM while starting")
+    assert out.splitlines()[-1] == last_line(text) and "Traceback" not in out + err

@@ -57,7 +57,8 @@ if [ "${1:-}" = -c ]; then
         *sys.prefix*) echo /stub/prefix ;;
     esac
 elif [ "${1:-} ${2:-}" = "train_gpt.py --check" ] || [ "${1:-} ${2:-}" = "train_gpt.py --check-flags" ]; then
-    [ "${STUB_CHECK_RC:-0}" = 0 ] || echo "error: --orthogonalizer: invalid choice (see --help)" >&2
+    [ "${STUB_CHECK_RC:-0}" = 0 ] || [ -n "${STUB_CHECK_SILENT-}" ] || \
+        echo "error: --orthogonalizer: invalid choice (see --help)" >&2
     exit "${STUB_CHECK_RC:-0}"
 elif [ "${1:-} ${2:-}" = "-m pytest" ]; then
     echo "${STUB_PYTEST_OUT-5 passed in 0.01s}"
@@ -356,13 +357,22 @@ def test_launch_stops_at_a_failed_check(box):
     assert r.stderr.splitlines() == ["error: --orthogonalizer: invalid choice (see --help)"]
 
 
-@pytest.mark.parametrize("args", [[], ["0"], ["-1"], ["two"], ["2.0"], ["--smoke"]])
-def test_launch_needs_a_positive_process_count_first(box, args):
+@pytest.mark.parametrize("args", [[], ["0"], ["-1"], ["two"], ["2.0"], ["--smoke"], ["3"], ["16"]])
+def test_launch_needs_a_process_count_of_1_2_4_or_8_first(box, args):
     r = box.run("launch", *args)
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.splitlines()
-    assert len(lines) == 1 and "positive integer" in lines[0] and "./run.sh launch NPROC" in lines[0], r.stderr
+    assert len(lines) == 1 and "1, 2, 4 or 8 on this machine" in lines[0] and "./run.sh launch NPROC" in lines[0], \
+        r.stderr
     assert box.calls() == []
+
+
+def test_launch_says_so_when_the_check_ends_without_a_word(box):
+    """A PYTHON that is no Python with torch (/bin/false, say) ends the check with status 1 and nothing printed."""
+    r = box.run("launch", "2", "--smoke", STUB_CHECK_RC="1", STUB_CHECK_SILENT="1")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == ["run.sh: the check (python3 train_gpt.py --check) ended with status 1; is "
+                                     "python3 a Python with torch (PYTHON picks it)?"], r.stderr
 
 
 # The same, for real: 2 gloo processes of the trainer on the CPU, each run a few seconds of torch imports.
@@ -625,6 +635,15 @@ def test_test_command_passes_its_arguments_to_pytest_as_given(box):
     r = box.run("test", "tests/test_schedules.py")
     assert r.returncode == 0, r.stderr
     assert box.commands() == [["-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile", "tests/test_schedules.py"]]
+
+
+@pytest.mark.parametrize("path", ["tests/nonexistent_test.py", "tests/nonexistent_test.py::test_x", "nowhere/"])
+def test_a_test_path_that_is_not_there_is_one_line_before_pytest_runs(box, path):
+    r = box.run("test", "-x", path)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [f"run.sh: {path.split('::')[0]}: no such test file or folder (paths are relative "
+                                     "to the repository root, e.g. tests/test_model.py)"], r.stderr
+    assert [c for c in box.commands() if c[:2] == ["-m", "pytest"]] == []
 
 
 @pytest.mark.parametrize("args, passed", [([], "2 passed"), (["-k", "two"], "1 passed, 1 deselected"),
