@@ -64,6 +64,16 @@ case "${1:-}" in
         fi ;;
 esac
 
+wait_until_gone() {  # wait_until_gone PID: its exit status, also where a trap cut a wait short while it stopped
+    local rc=0
+    wait "$1" || rc=$?
+    while kill -0 "$1" 2>/dev/null; do
+        rc=0
+        wait "$1" || rc=$?
+    done
+    return "$rc"
+}
+
 num_gpus() {
     # nvidia-smi missing, or present but failing (no driver), both mean no usable GPU.
     if command -v nvidia-smi >/dev/null 2>&1; then
@@ -165,11 +175,7 @@ launch() {  # launch NPROC [train_gpt.py args...]: the check, then NPROC workers
     trap 'kill -INT "$check" 2>/dev/null || true' INT
     trap 'kill -TERM "$check" 2>/dev/null || true' TERM
     trap 'kill -HUP "$check" 2>/dev/null || true' HUP
-    wait "$check" || rc=$?
-    while kill -0 "$check" 2>/dev/null; do  # that wait ended for a trap: the check is still stopping
-        rc=0
-        wait "$check" || rc=$?
-    done
+    wait_until_gone "$check" || rc=$?
     trap - INT TERM HUP
     case $rc in
         0) ;;
@@ -392,11 +398,7 @@ run_tests() {
     pid=$!
     trap 'stop=130; kill -INT "$pid" 2>/dev/null || true' INT
     trap 'stop=143; kill -INT "$pid" 2>/dev/null || true' TERM
-    wait "$pid" || rc=$?
-    while kill -0 "$pid" 2>/dev/null; do  # that wait ended for a trap: the suite is still stopping
-        rc=0
-        wait "$pid" || rc=$?
-    done
+    wait_until_gone "$pid" || rc=$?
     trap - INT TERM
     local running
     running=$(cat "$dir"/running/* 2>/dev/null | tr '\n' ' ') || true
