@@ -43,7 +43,7 @@ PYTHON=/path/to/python picks the interpreter (default python3).
 EOF
 }
 
-cd "$(dirname "$0")"
+case $0 in */*) cd "${0%/*}" ;; esac  # no command substitution: a signal during one would be lost
 PY=${PYTHON:-python3}
 COMMANDS="train, launch, setup-gpu, setup-cpu, test, proxy, record, help"
 
@@ -180,7 +180,7 @@ launch() {  # launch NPROC [train_gpt.py args...]: the check, then NPROC workers
     case $rc in
         0) ;;
         2 | 129 | 130 | 143) exit "$rc" ;;  # the check said why itself
-        *) die "$rc" "the check ($PY train_gpt.py --check) ended with status $rc; is $PY a Python with torch (PYTHON picks it)?" ;;
+        *) die 2 "the check ($PY train_gpt.py --check) ended with status $rc; is $PY a Python with torch (PYTHON picks it)?" ;;
     esac
     # torchrun itself, as a command, answers any failed worker with its own report (a traceback, a "Root Cause"
     # table, logged "failed (exitcode ...)" lines) and exit status 1, under the trainer's one-line error. Its run()
@@ -238,6 +238,8 @@ except ChildFailedError as e:
         status = 128 - status
     elif status not in TRAINER_REPORTS:
         said = f"rank {rank} exited with status {status}"
+    elif status > 128 and rank != 0:  # a signal to that rank alone: rank 0, which speaks, was stopped by torchrun
+        said = f"rank {rank} was interrupted by {signal.Signals(status - 128).name}"
     if said:
         print(f"run.sh: {said} (its output is above)", file=sys.stderr)
         if train_gpt.file_identity(log) != log_before:  # this run's log, not an earlier one of its run id

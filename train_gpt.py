@@ -63,7 +63,13 @@ def launcher_gone() -> bool:
     except OSError:
         return False
 
+def stray(signum) -> bool:
+    """A LAUNCHER_DIED that did not come from the launcher's death (sent by hand)."""
+    return signum == LAUNCHER_DIED and not launcher_gone() and os.getppid() == STARTED_BY
+
 def exit_while_starting(signum, frame):
+    if stray(signum):
+        return
     if env_rank() == 0:
         said = "stopped while starting: the launcher died" if signum == LAUNCHER_DIED else \
             f"interrupted by {signal.Signals(signum).name} while starting"
@@ -2076,11 +2082,10 @@ def read_shard_header(path) -> int:
 
 SCAN_CHUNK_TOKENS = 1 << 24
 
-def scan_shard(path, vocab_size: int, max_seq_len: int = None) -> int:
+def scan_shard(path, vocab_size: int) -> tuple[int, np.ndarray]:
     """What a shard's header cannot show, in one vectorised pass: every token id below vocab_size, 16-bit tokens (not
-    32-bit ones under a header that counts twice as many: every other id would be 0) and, in a training shard (given
-    max_seq_len), the <|endoftext|> token that starts every document. Returns the tokens training can take from it:
-    each document's first max_seq_len (the loader cuts the rest)."""
+    32-bit ones under a header that counts twice as many: every other id would be 0) and the <|endoftext|> token
+    that starts every document. Returns (its token count, where its documents start)."""
     num_tokens = read_shard_header(path)
     tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(num_tokens,)) if num_tokens else \
         np.zeros(0, dtype="<u2")
@@ -2097,13 +2102,44 @@ def scan_shard(path, vocab_size: int, max_seq_len: int = None) -> int:
     if num_tokens >= 2 * HEADER_INTS and not odd_ids_nonzero:
         raise ShardError(f"shard {path}: every other token id is 0 (32-bit tokens read as 16-bit ones, or no text at "
                          "all): the format holds uint16 GPT-2 tokens, as data/fineweb.py writes them")
-    if max_seq_len is None:
-        return num_tokens
     starts = np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
     if len(starts) == 0:
-        raise ShardError(f"training shard {path} holds no <|endoftext|> ({BOS_ID}), which starts every document: "
-                         "rebuild it with data/fineweb.py")
-    return int(np.minimum(np.diff(starts, append=num_tokens), max_seq_len).sum())
+        raise ShardError(f"shard {path} holds no <|endoftext|> ({BOS_ID}), which starts every document: rebuild it "
+                         "with data/fineweb.py")
+    return num_tokens, starts
+
+FEED_CHECK_LIMIT = 2_000_000  # micro-batches the data check follows at most (a longer schedule: tokens only)
+
+def data_runs_out_at(args: Hyperparameters, runtime: "Runtime", shards: list) -> int | None:
+    """The step at which the training shards ((token count, document starts) each), cycled --train-epochs times, run
+    out as the loader takes them, or None if they last the schedule. Each rank's micro-batch takes whole documents,
+    each cut at --train-max-seq-len, the last one cut where the micro-batch is full and its rest dropped; a step's
+    micro-batches that no longer fit in a shard move to the next one."""
+    capped = [np.concatenate([[0], np.cumsum(np.minimum(np.diff(starts, append=n), args.train_max_seq_len))])
+              for n, starts in shards]  # tokens the first k documents give
+    shard, doc, followed = 0, 0, 0
+    table = stages(args)
+    ends = [s.first_step for s in table[1:]] + [args.num_iterations]
+    for stage, end in zip(table, ends):
+        need = stage.batch_size // (runtime.grad_accum_steps * runtime.world_size) + 1  # +1: the last target
+        for step in range(stage.first_step, min(end, args.num_iterations)):
+            for _ in range(runtime.grad_accum_steps):  # the ranks' micro-batches come from one shard together
+                while True:
+                    given, d = capped[shard % len(shards)], doc
+                    for _ in range(runtime.world_size):
+                        d = int(np.searchsorted(given, given[d] + need))
+                        if d >= len(given):
+                            break
+                    else:
+                        doc = d
+                        break
+                    shard, doc = shard + 1, 0
+                    if shard >= len(shards) * args.train_epochs:
+                        return step
+            followed += runtime.grad_accum_steps
+            if followed > FEED_CHECK_LIMIT:
+                return None
+    return None
 
 def load_data_shard(path, pin_memory: bool = False) -> Tensor:
     """Read a shard's tokens straight into a (optionally pinned) uint16 tensor, no intermediate bytes."""
@@ -3280,6 +3316,9 @@ def check_outputs(args: Hyperparameters) -> None:
         log, folder = log_path(args, args.run_id), Path(args.log_dir) / args.run_id
         if os.path.lexists(log) and not log.is_file():
             raise ConfigError(f"{log} exists and is not a file: pick another --run-id")
+        if os.path.lexists(folder) and (folder.is_symlink() or not folder.is_dir()):
+            raise ConfigError(f"{folder}, where the checkpoints of --run-id {args.run_id} go, exists and is not a "
+                              "folder: pick another --run-id")
         for old in (log, folder):
             if os.path.lexists(old) and not args.replace_log:
                 raise ConfigError(f"{old} exists (a run with --run-id {args.run_id}): pick another --run-id, or add "
@@ -3287,8 +3326,6 @@ def check_outputs(args: Hyperparameters) -> None:
         if os.path.lexists(log) and not is_our_log(log):
             raise ConfigError(f"{log} is not a log of this trainer (it does not start with {LOG_SIGNATURE}): "
                               "--replace-log replaces only those; move it away, or pick another --run-id")
-        if os.path.lexists(folder) and not folder.is_dir():
-            raise ConfigError(f"{folder} exists and is not a folder: pick another --run-id")
         if os.path.lexists(folder) and not is_our_checkpoint_folder(folder):
             raise ConfigError(f"{folder} holds files other than this trainer's checkpoints: move them away, or pick "
                               "another --run-id")
@@ -3298,6 +3335,10 @@ def check_outputs(args: Hyperparameters) -> None:
         if bundle.is_dir():
             raise ConfigError(f"--compile-cache {bundle} is a folder, not a file: name the bundle's file, e.g. "
                               f"{bundle / 'compile_cache.zip'}")
+        if args.run_id and Path(os.path.abspath(bundle)) in {Path(os.path.abspath(f)) for f in
+                                                             (log_path(args, args.run_id),
+                                                              RunLock.path_for(log_path(args, args.run_id)))}:
+            raise ConfigError(f"--compile-cache {bundle} is this run's own log or lock: name another file")
         if os.path.lexists(bundle) and not is_our_bundle(bundle):
             raise ConfigError(f"--compile-cache {bundle} exists and is not a compile-cache bundle of this trainer: "
                               "name a new file (it is written after the warm-up) or one an earlier run wrote")
@@ -3333,8 +3374,9 @@ def find_data(args: Hyperparameters, runtime: Runtime, scan: bool = True):
                           f"{args.val_files!r}: training on the validation data would void the metric; narrow them")
     try:
         if scan:
-            train_tokens = sum(scan_shard(f, args.vocab_size, args.train_max_seq_len) for f in train_files)
-            val_tokens = scan_shard(val_files[0], args.vocab_size)
+            shards = [scan_shard(f, args.vocab_size) for f in train_files]
+            train_tokens = sum(n for n, _ in shards)
+            val_tokens = scan_shard(val_files[0], args.vocab_size)[0]
         else:
             train_tokens = sum(read_shard_header(f) for f in train_files)
             val_tokens = read_shard_header(val_files[0])
@@ -3342,10 +3384,9 @@ def find_data(args: Hyperparameters, runtime: Runtime, scan: bool = True):
         raise ConfigError(str(e)) from None
     needed = tokens_needed(args)
     if train_tokens * args.train_epochs < needed:
-        usable = f" usable (each document's first --train-max-seq-len {args.train_max_seq_len})" if scan else ""
         raise ConfigError(f"too little training data: the schedule consumes {needed:,} tokens but "
                           f"{len(train_files)} shard(s) x {args.train_epochs} epoch(s) hold "
-                          f"{train_tokens * args.train_epochs:,}{usable}; add shards or raise --train-epochs")
+                          f"{train_tokens * args.train_epochs:,}; add shards or raise --train-epochs")
     if val_tokens < args.val_tokens + 1:
         raise ConfigError(f"validation shard {val_files[0]} holds {val_tokens:,} tokens, fewer than "
                           f"--val-tokens {args.val_tokens:,} + 1: lower --val-tokens (and --val-batch-size)")
@@ -3353,6 +3394,12 @@ def find_data(args: Hyperparameters, runtime: Runtime, scan: bool = True):
         if bs % (runtime.grad_accum_steps * runtime.world_size):
             raise ConfigError(f"batch size {bs} is not divisible by grad_accum_steps x world_size "
                               f"({runtime.grad_accum_steps} x {runtime.world_size})")
+    out_at = data_runs_out_at(args, runtime, shards) if scan else None
+    if out_at is not None:
+        raise ConfigError(f"too little training data: taking whole documents for each micro-batch (cut at "
+                          f"--train-max-seq-len {args.train_max_seq_len}), the loader runs out at step {out_at} of "
+                          f"{args.num_iterations} with {len(train_files)} shard(s) x {args.train_epochs} epoch(s); add "
+                          "shards or raise --train-epochs")
     return train_files, val_files[0]
 
 def setup_process_group(runtime: Runtime):
@@ -3690,8 +3737,10 @@ def save_checkpoint(path: Path, trainer: "Trainer", steps: int) -> None:
         torch.save(dict(step=steps, code=Path(__file__).read_text(), model=trainer.model.state_dict(),
                         optimizers=[trainer.adam.state_dict(), trainer.muon.state_dict()]), tmp)
         Path(tmp).replace(path)
-    except RuntimeError as e:  # torch.save's own report of a failed write (a full disk)
-        raise OSError(None, f"cannot write the checkpoint ({str(e).splitlines()[0]})", str(path)) from None
+    except RuntimeError as e:  # torch.save's own report of a failed write (a full disk, usually)
+        free = shutil.disk_usage(path.parent).free
+        raise OSError(None, f"cannot write the checkpoint, {free / 2**20:.0f} MiB free there (torch.save: "
+                            f"{str(e).splitlines()[-1]})", str(path)) from None
     finally:
         Path(tmp).unlink(missing_ok=True)
         for folder in reversed(made if not path.exists() else []):
@@ -3713,7 +3762,7 @@ def stop_on_signal(signum, frame):
     raise Interrupted(signum)
 
 def stop_on_launcher_death(signum, frame):
-    if os.getppid() == STARTED_BY:  # the launcher lives: a stray signal
+    if stray(signum):
         return
     ignore_further_signals()
     raise LauncherDied()

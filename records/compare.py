@@ -755,8 +755,10 @@ def record_folder(out_dir, name: str, date: str | None, force: bool, not_a_recor
     except (TypeError, ValueError):
         raise UsageError(f"--date {date!r}: give the date as YYYY-MM-DD") from None
     folder = out_dir / f"{date}_{name}"
-    if folder.exists() and not force:
+    if os.path.lexists(folder) and not force:
         raise UsageError(f"{folder} already exists: pick another NAME, or add --force to replace it")
+    if os.path.lexists(folder) and (folder.is_symlink() or not folder.is_dir()):
+        raise UsageError(f"{folder} exists and is not a folder this tool made: pick another NAME")
     if folder.exists():  # --force replaces only what this tool wrote: the logs, README.md, plot.png
         others = sorted(f.name for f in folder.iterdir()
                         if f.is_dir() or not (f.suffix == ".txt" or f.name in ("README.md", "plot.png")))

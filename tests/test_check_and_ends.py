@@ -8,6 +8,7 @@ line. Everything runs through train_gpt.main() in this process (the `main` fixtu
 process of their own.
 """
 import builtins
+import dataclasses
 import errno
 import os
 import signal
@@ -145,15 +146,56 @@ def test_the_workers_of_run_sh_launch_leave_the_scan_to_its_check(main, data, tm
 
 
 def test_a_schedule_longer_than_the_documents_can_feed_is_refused_before_it_starts(main, data, tmp_path):
-    """Each document gives its first --train-max-seq-len tokens (64 here): 40,000 tokens of ~300-token documents
-    feed far fewer than 40,000."""
+    """40,000 tokens of ~300-token documents hold the tokens of 300 steps of 128, but each micro-batch of 16 takes
+    whole documents: the loader runs out long before, and the check says at which step."""
     line = refused(main(tiny_args(data, tmp_path / "logs", "--num-scheduled-iterations", "300")),
-                   "too little training data: the schedule consumes 38,400 tokens", "usable (each document's first "
-                   "--train-max-seq-len 64)")
-    usable = int(line.split(" hold ")[1].split(" usable")[0].replace(",", ""))
-    starts = np.flatnonzero(train_tokens(data) == tg.BOS_ID)
-    assert usable == int(np.minimum(np.diff(starts, append=len(train_tokens(data))), 64).sum()) < 38_400
+                   "too little training data: taking whole documents for each micro-batch (cut at "
+                   "--train-max-seq-len 64), the loader runs out at step")
+    assert int(line.split(" runs out at step ")[1].split()[0]) < 300
     assert not (tmp_path / "logs").exists()
+
+
+def test_the_data_check_follows_the_loader_step_for_step(tmp_path):
+    """Where data_runs_out_at says the training data runs out is where the loader itself raises DataExhausted, for
+    random documents, shards, stages, world sizes and epochs (one rank's generator stands for all: they share the
+    cursor)."""
+    rng = np.random.default_rng(0)
+    for trial in range(25):
+        files = []
+        for k in range(int(rng.integers(1, 3))):
+            docs = [np.concatenate([[tg.BOS_ID], rng.integers(0, 50000, size=int(rng.integers(1, 300)))])
+                    for _ in range(int(rng.integers(5, 60)))]
+            lead = rng.integers(0, 500, size=7) if rng.random() < 0.3 else np.zeros(0, dtype=np.int64)
+            files.append(str(write_shard(tmp_path / f"t{trial}_{k}.bin", np.concatenate([lead, *docs]))))
+        world = int(rng.choice([1, 2, 4, 8]))
+        stages = int(rng.integers(1, 4))
+        args = tg.Hyperparameters(
+            num_scheduled_iterations=int(rng.integers(stages, 60)), num_extension_iterations=int(rng.integers(0, 5)),
+            train_bs_schedule=tuple(int(b) * 8 for b in rng.integers(2, 40, size=stages)),
+            train_bs_extension=int(rng.integers(2, 40)) * 8, ws_schedule=(3,) * stages, lr_plateaus=(1.0,) * stages,
+            lr_plateau_starts=tuple(i / (stages + 1) for i in range(stages)),
+            train_max_seq_len=int(rng.integers(8, 200)), train_epochs=int(rng.integers(1, 4)))
+        runtime = dataclasses.make_dataclass("R", ["world_size", "grad_accum_steps"])(world, 8 // world)
+        predicted = tg.data_runs_out_at(args, runtime, [tg.scan_shard(f, args.vocab_size) for f in files])
+        assert predicted == loader_runs_out_at(args, files, runtime), (trial, world)
+
+
+def loader_runs_out_at(args, files, runtime):
+    accum, previous = runtime.grad_accum_steps, None
+    batches = tg.distributed_data_generator(files, args.train_bs_schedule[0], args.train_max_seq_len, accum, 0,
+                                            runtime.world_size, args.train_epochs)
+    for step in range(args.num_iterations):
+        bs = tg.get_bs(step, args)
+        for micro in range(accum):
+            try:
+                if previous is None:
+                    next(batches)
+                else:
+                    batches.send((bs, args.train_max_seq_len, accum) if micro == 0 and bs != previous else None)
+            except tg.DataExhausted:
+                return step
+            previous = bs
+    return None
 
 
 def test_a_data_path_is_taken_literally_and_its_patterns_are_globs_inside_it(main, data, tmp_path):

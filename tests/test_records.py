@@ -1158,3 +1158,15 @@ def test_a_broken_link_among_a_folders_logs_is_named_as_skipped(tmp_path, capsys
     code, out, err = cli(capsys, "summary", tmp_path / "logs")
     assert code == 0, err
     assert _skipped(out) == [f"SKIPPED {tmp_path / 'logs' / 'gone.txt'}: unreadable: No such file or directory"]
+
+
+def test_new_force_refuses_a_file_where_the_record_folder_would_go(tmp_path, capsys):
+    logs = write_set(tmp_path / "logs", [3.2770])
+    (tmp_path / "recs").mkdir()
+    target = tmp_path / "recs" / "2020-01-01_f4"
+    target.write_text("mine\n")
+    code, out, err = cli(capsys, "new", "f4", *logs, "--not-a-record", "--out", tmp_path / "recs", "--date",
+                         "2020-01-01", "--force")
+    assert code == 2 and out == "" and err.splitlines() == [
+        f"error: {target} exists and is not a folder this tool made: pick another NAME"], err
+    assert target.read_text() == "mine\n"
