@@ -63,8 +63,10 @@ def write_jsonl(path, docs, opener=open):
 
 
 def build(*argv):
-    """Run the CLI in this process (fast); returns its exit status."""
-    return fineweb.main([str(a) for a in argv])
+    """Run the CLI in this process (fast); returns its exit status. One worker unless a test asks for more: a pool
+    forked from this process, which has threads of its own (torch's, pytest-timeout's), can deadlock in the child."""
+    argv = [str(a) for a in argv]
+    return fineweb.main(argv if "--workers" in argv else [*argv, "--workers", "1"])
 
 
 def run_cli(*argv):

@@ -370,7 +370,7 @@ def test_launch_needs_a_process_count_of_1_2_4_or_8_first(box, args):
 def test_launch_says_so_when_the_check_ends_without_a_word(box):
     """A PYTHON that is no Python with torch (/bin/false, say) ends the check with status 1 and nothing printed."""
     r = box.run("launch", "2", "--smoke", STUB_CHECK_RC="1", STUB_CHECK_SILENT="1")
-    assert r.returncode == 1 and r.stdout == ""
+    assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == ["run.sh: the check (python3 train_gpt.py --check) ended with status 1; is "
                                      "python3 a Python with torch (PYTHON picks it)?"], r.stderr
 
