@@ -167,6 +167,17 @@ def cache_dirs_as_the_run_set_them():
             os.environ[var] = value
 
 
+@pytest.fixture(autouse=True)
+def no_signals_left_blocked():
+    """A test that leaves a signal blocked in this worker makes every process it starts later deaf to it."""
+    yield
+    import signal
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+        pytest.fail(f"the test left signals blocked: {sorted(s.name for s in blocked)}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     yield
