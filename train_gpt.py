@@ -187,7 +187,7 @@ class Hyperparameters:
     warmup_steps_per_stage: int = setting(10, "untimed warm-up steps per stage before the clock starts", "[2, inf)")
     # model
     vocab_size: int = setting(50257, "vocabulary (padded to a multiple of 128); shards hold uint16", "[50257, 65536]")
-    num_layers: int = setting(12, "transformer blocks (the layer map is defined for 12 only)", "[12, 12]")
+    num_layers: int = setting(12, "transformer blocks; layer_map() derives which has what (9 or more)", COUNT)
     model_dim: int = setting(768, "width of the residual stream", "[12, inf)")
     num_heads: int = setting(6, "attention heads", COUNT)
     head_dim: int = setting(128, "width of each attention head", "[4, inf)")
@@ -354,6 +354,7 @@ def validate_args(args: Hyperparameters):
          f"<log-dir>/<run-id>.txt)")
     need(parse_kernels(args.kernels) is not None, f"--kernels must be fused, plain or a comma-separated list of "
                                                   f"{', '.join(FUSED_KERNELS)}; got {args.kernels!r}")
+    layer_map(args.num_layers)  # refuses a count its rule does not cover
     need(args.model_dim == args.num_heads * args.head_dim,
          f"--model-dim ({args.model_dim}) must equal --num-heads x --head-dim ({args.num_heads}x{args.head_dim})")
     need(args.head_dim % 4 == 0, "--head-dim must be a multiple of 4 (half-truncated rotary)")
@@ -1322,16 +1323,16 @@ def polar_express(G: Tensor, turbo: bool = False) -> Tensor:
 #   NorMuon   for the 43 hidden matrices and gates: reduce-scatter grads -> per-shard update -> all-gather params
 #   DistAdam  for embeddings, lm_head and scalars: ZeRO-1 over dim 0, grads reduce-scattered from a grad hook
 #
-# Parameter metadata (set by the model on each nn.Parameter; all optional):
-#   p.label   NorMuon: smear_gate | attn_gate | attn | mlp      DistAdam: lm_head | scalars | value_embed | embed
-#   p.lr_mul  per-parameter learning-rate multiplier (default 1.0)
-#   p.wd_mul  per-parameter weight-decay multiplier (default 1.0)
+# What each parameter carries (set_optimizer_label, where the model makes it):
+#   p.label      its group: the record's are smear_gate, attn_gate, attn, mlp (NorMuon) and lm_head, scalars,
+#                value_embed, embed (DistAdam)
+#   p.treatment  TREATMENTS: matrix | qkvo | gate (NorMuon) or adam (DistAdam)
+#   p.lr_mul     its learning-rate multiplier (p.wd_mul, optional: its weight-decay multiplier)
 
-NORMUON_LABEL_ORDER = ("smear_gate", "attn_gate", "attn", "mlp")
+# The record's NorMuon labels, in its group order, with their counts: its 8-GPU group sizing is kept for them.
 NORMUON_RECORD_COUNTS = {"smear_gate": 1, "attn_gate": 10, "attn": 10, "mlp": 22}
 NORMUON_RECORD_GROUP_SIZES = (1, 10, 16, 16)   # 8 GPUs: G3 = 10 attn + 6 mlp, G4 = 16 mlp
-NORMUON_GATE_LABELS = ("smear_gate", "attn_gate")
-DISTADAM_LABEL_ORDER = ("lm_head", "scalars", "value_embed", "embed")
+DISTADAM_RECORD_ORDER = ("lm_head", "scalars", "value_embed", "embed")  # the record's step order; new labels after
 
 # One-tensor collectives: torch 2.13 renamed them (the old names warn there); torch 2.11 has only the old names.
 reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -1369,10 +1370,10 @@ def normuon_lr_factor(p: Tensor) -> float:
     rows, cols = p.shape[-2], p.shape[-1]
     return math.sqrt(max(1.0, rows / cols)) * float(getattr(p, "lr_mul", 1.0))
 
-def normuon_reduce_dim(label: str, shape) -> int:
+def normuon_reduce_dim(treatment: str, shape) -> int:
     """Axis of the NorMuon second moment, from the stored (un-reshaped) shape: gates and tall/square matrices
-    get one statistic per row (-1); wide non-gate matrices one per column (-2)."""
-    if label in NORMUON_GATE_LABELS or shape[-2] >= shape[-1]:
+    get one statistic per row (-1); wide matrices one per column (-2)."""
+    if treatment == "gate" or shape[-2] >= shape[-1]:
         return -1
     return -2
 
@@ -1382,7 +1383,7 @@ def normuon_groups(params, world_size: int) -> tuple[list, str]:
     labels = [getattr(p, "label", None) for p in params]
     counts = collections.Counter(labels)
     if world_size == 8 and counts == NORMUON_RECORD_COUNTS:
-        ordered = sorted(params, key=lambda p: NORMUON_LABEL_ORDER.index(p.label))  # stable
+        ordered = sorted(params, key=lambda p: list(NORMUON_RECORD_COUNTS).index(p.label))  # stable
         groups, start = [], 0
         for name, size in zip(("smear_gate", "attn_gate", "attn+mlp", "mlp"), NORMUON_RECORD_GROUP_SIZES):
             groups.append((name, ordered[start:start + size]))
@@ -1419,9 +1420,6 @@ class NorMuon(torch.optim.Optimizer):
         params = [p for p in params]
         if not params:
             raise ValueError("NorMuon got an empty parameter list")
-        for p in params:
-            if p.dim() != 2:
-                raise ValueError(f"NorMuon needs 2-D params, got {tuple(p.shape)} ({getattr(p, 'label', None)!r})")
         self.world_size, self.rank = _dist_world()
         self.turbo = orthogonalizer == "turbo"
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2)
@@ -1444,13 +1442,11 @@ class NorMuon(torch.optim.Optimizer):
             size = len(ps)
             chunk = -(-size // W)
             lo, hi = min(size, r * chunk), min(size, r * chunk + chunk)
-            local_labels = {getattr(p, "label", None) for p in ps[lo:hi]}
-            assert not ("attn" in local_labels and len(local_labels) > 1), \
-                f"NorMuon rank {r} would mix attn with {sorted(map(str, local_labels - {'attn'}))} ({group['label']!r})"
-            is_attn = local_labels == {"attn"}
-            if is_attn:
-                assert shape[0] == 4 * shape[1], f"attn params must be (4d, d) = [QKV; Wo], got {tuple(shape)}"
-            local_label = next(iter(local_labels)) if len(local_labels) == 1 else None
+            treatments = {getattr(p, "treatment", "matrix") for p in ps[lo:hi] or ps[:1]}  # unlabelled: matrices
+            assert len(treatments) == 1 or "qkvo" not in treatments, \
+                f"NorMuon rank {r} would stack qkvo matrices with others ({group['label']!r})"
+            treatment = treatments.pop() if len(treatments) == 1 else "matrix"
+            is_attn = treatment == "qkvo"
             params_stack = torch.zeros((chunk * W, *shape), dtype=dtype, device=ps[0].device)
             grads_stack = torch.zeros_like(params_stack)
             for p, row, grad_row in zip(ps, params_stack, grads_stack):
@@ -1460,7 +1456,7 @@ class NorMuon(torch.optim.Optimizer):
             # the rank's rows of the averaged gradients (one rank: the gradient stack itself)
             shard = grads_stack[:chunk] if W == 1 else torch.empty_like(grads_stack[:chunk])
             self._layout.append(dict(chunk=chunk, lo=lo, hi=hi, is_attn=is_attn,
-                                     reduce_dim=normuon_reduce_dim(local_label, shape),
+                                     reduce_dim=normuon_reduce_dim(treatment, shape),
                                      params=params_stack, grads=grads_stack, shard=shard))
 
     def compile_helpers(self):
@@ -1551,9 +1547,17 @@ def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_
     # fp32 arithmetic and one rounding into p's dtype (what addcdiv_ does eagerly)
     p.copy_(p.float() - step_size * (exp_avg.float() / (exp_avg_sq.float().sqrt() + eps)))
 
+def rows_per_rank(p: Tensor, world_size: int) -> int:
+    """DistAdam's shard of a parameter: ceil(rows / W) rows per rank (a 0-D parameter is one row)."""
+    return -(-max(p.shape[0] if p.dim() else 1, 1) // world_size)
+
+def as_rows(t: Tensor) -> Tensor:
+    return t if t.dim() else t.view(1)
+
 class DistAdam(torch.optim.Optimizer):
-    """ZeRO-1 Adam without weight decay (the record's): rank r keeps the state of, and updates, rows [r*n/W,
-    (r+1)*n/W) of each param, then all-gathers it. While `should_sync` is set (the last backward before a step()),
+    """ZeRO-1 Adam without weight decay (the record's): rank r keeps the state of, and updates, rows [r*k, (r+1)*k)
+    of each param (k = rows_per_rank; a param whose rows do not divide by W is padded with zero rows in DistAdam's
+    own buffers, as the record padded its scalars), then all-gathers it. While `should_sync` is set (the last backward before a step()),
     a post-accumulate-grad hook reduce-scatters (AVG) each gradient into a buffer as long-lived as the optimizer,
     so a CUDA graph that captured it writes the same addresses at every replay. step() updates the params with a
     pending reduce-scatter (one process: those with a p.grad)."""
@@ -1563,23 +1567,17 @@ class DistAdam(torch.optim.Optimizer):
         if not params:
             raise ValueError("DistAdam got an empty parameter list")
         self.world_size, self.rank = _dist_world()
-        W = self.world_size
-        for p in params:
-            label = getattr(p, "label", None)
-            if p.dim() == 0 or p.shape[0] % W != 0:
-                raise ValueError(f"DistAdam shards dim 0 over {W} ranks, but param {label!r} of shape "
-                                 f"{tuple(p.shape)} has a dim 0 not divisible by {W}: pad it to a multiple of {W}")
         buckets = {}
         for p in params:
-            label = getattr(p, "label", None)
-            buckets.setdefault(label if label in DISTADAM_LABEL_ORDER else None, []).append(p)
-        groups = [dict(params=buckets[lab], label=lab) for lab in DISTADAM_LABEL_ORDER if lab in buckets]
-        if None in buckets:
-            groups.append(dict(params=buckets[None], label="other"))
-        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps))
+            buckets.setdefault(getattr(p, "label", None), []).append(p)
+        order = [lab for lab in DISTADAM_RECORD_ORDER if lab in buckets] + \
+            [lab for lab in buckets if lab not in DISTADAM_RECORD_ORDER]
+        super().__init__([dict(params=buckets[lab], label=lab or "other") for lab in order],
+                         dict(lr=lr, betas=tuple(betas), eps=eps))
         self.should_sync = False
         self._pending = {}      # param -> its reduce-scatter's async work, or None once the stream waits for it
         self._grad_slices = {}  # param -> this rank's slice of its averaged gradient
+        self._padded = {}       # param whose rows do not divide by W -> (its gradient, its value) padded to k*W rows
         self._update_fn = adam_update
         self._step_size = torch.zeros((), dtype=torch.float32)  # CPU scalar fed to the (compiled) update
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in params]
@@ -1589,19 +1587,29 @@ class DistAdam(torch.optim.Optimizer):
         self._update_fn = torch.compile(adam_update, dynamic=False, fullgraph=True)
         return self
 
+    def _rows(self, p: Tensor) -> Tensor:
+        """p as the rows DistAdam shards: p itself, or its padded copy."""
+        return self._padded[p][1] if p in self._padded else as_rows(p)
+
     def _slice_rows(self, p: Tensor) -> tuple[int, int]:
-        rows = p.shape[0] // self.world_size
+        rows = rows_per_rank(p, self.world_size)
         return self.rank * rows, (self.rank + 1) * rows
 
     @torch.no_grad()
     def _grad_hook(self, p: Tensor):
         if not self.should_sync or self.world_size == 1 or p.grad is None:
             return
+        grad = as_rows(p.grad)
         if p not in self._grad_slices:
             lo, hi = self._slice_rows(p)
-            self._grad_slices[p] = p.grad.new_empty((hi - lo, *p.shape[1:]))
-        self._pending[p] = reduce_scatter(self._grad_slices[p], p.grad, op=dist.ReduceOp.AVG,
-                                                      async_op=True)
+            self._grad_slices[p] = grad.new_empty((hi - lo, *grad.shape[1:]))
+            if (hi - lo) * self.world_size != grad.shape[0]:
+                padded = grad.new_zeros(((hi - lo) * self.world_size, *grad.shape[1:]))
+                self._padded[p] = (padded, torch.zeros_like(padded, dtype=p.dtype))
+        if p in self._padded:
+            self._padded[p][0][:grad.shape[0]].copy_(grad)
+            grad = self._padded[p][0]
+        self._pending[p] = reduce_scatter(self._grad_slices[p], grad, op=dist.ReduceOp.AVG, async_op=True)
 
     def join_reduce_scatters(self) -> list:
         """Make the current stream wait for every pending reduce-scatter (inside a CUDA graph's capture this joins
@@ -1634,8 +1642,12 @@ class DistAdam(torch.optim.Optimizer):
                     g = p.grad
                     if g is None:
                         continue
+                    g = as_rows(g)
+                rows = self._rows(p)
+                if p in self._padded:  # the padded copy: the param's current value first
+                    rows[:as_rows(p).shape[0]].copy_(as_rows(p))
                 lo, hi = self._slice_rows(p)
-                p_slice = p[lo:hi]
+                p_slice = rows[lo:hi]
                 lr_p = lr * float(getattr(p, "lr_mul", 1.0))
                 state = self.state[p]
                 if not state:
@@ -1647,9 +1659,11 @@ class DistAdam(torch.optim.Optimizer):
                 self._step_size.fill_(lr_p * math.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t))
                 self._update_fn(p_slice, g, state["exp_avg"], state["exp_avg_sq"], self._step_size, beta1, beta2, eps)
                 if distributed:
-                    gathers.append(all_gather(p, p_slice, async_op=True))
+                    gathers.append(all_gather(rows, p_slice, async_op=True))
         for work in gathers:
             work.wait()
+        for p, (_, rows) in self._padded.items():  # the gathered rows back, without the padding
+            as_rows(p).copy_(rows[:as_rows(p).shape[0]])
         self._pending.clear()
 
 
@@ -1657,10 +1671,81 @@ class DistAdam(torch.optim.Optimizer):
 # Model
 # =====================================================================================
 
-def set_optimizer_label(p: nn.Parameter, label: str, lr_mul: float = 1.0) -> nn.Parameter:
-    """Which optimizer group p joins (NORMUON_LABEL_ORDER, DISTADAM_LABEL_ORDER) and its learning-rate multiplier."""
-    p.label, p.lr_mul = label, lr_mul
+# How the optimizers treat a parameter, declared where it is made (set_optimizer_label): the label names its group.
+TREATMENTS = {
+    "matrix": "NorMuon, orthogonalised: one second moment per row (per column where the matrix is wider than tall)",
+    "qkvo": "NorMuon, a (4d, d) stack of Q, K, V and O, each orthogonalised on its own: one second moment per row",
+    "gate": "NorMuon, a gate's few rows: one second moment per row whatever its shape",
+    "adam": "DistAdam: Adam, its rows sharded over the ranks",
+}
+
+def set_optimizer_label(p: nn.Parameter, label: str, treatment: str, lr_mul: float = 1.0) -> nn.Parameter:
+    """p joins the optimizer group `label`, treated as TREATMENTS[treatment] says, at lr x lr_mul."""
+    if treatment not in TREATMENTS:
+        raise ConfigError(f"set_optimizer_label(..., {label!r}, {treatment!r}): the treatment is one of "
+                          + "; ".join(f"{k} ({v})" for k, v in TREATMENTS.items()))
+    p.label, p.treatment, p.lr_mul = label, treatment, lr_mul
     return p
+
+GATE_INPUTS = 12  # a gate reads the first 12 channels of its input
+def gate_input(x: Tensor) -> Tensor:
+    return x[..., :GATE_INPUTS]
+
+def uniform_bound(dim: int) -> float:
+    """The half-width of the record's uniform initialisation of a (·, dim) matrix: sqrt(3)/2 / sqrt(dim)."""
+    return math.sqrt(3) * 0.5 * dim ** -0.5
+
+@dataclass(frozen=True)
+class LayerMap:
+    """Which block has attention, an MLP, the long window or a value embedding, and where the U-net skip and the
+    backout read and join: layer_map() derives it from the layer count, check() refuses one that cannot work."""
+    num_layers: int
+    no_attention: tuple     # blocks without attention (block 0 is empty: the trunk starts at block 1)
+    no_mlp: tuple
+    long_window: tuple      # blocks on the long attention window; the rest use the short one
+    value_embeds: tuple     # (block, table): the value-embedding table (of 3) block's attention adds
+    skip_from: int          # the U-net skip: block skip_from's output joins before block skip_to
+    skip_to: int
+    backout_from: int       # block whose output is backed out of the final hidden state
+    skip_weight: int = 1    # which skip weight that skip reads: the record's reads scalars[1], whatever skip_from
+
+    @property
+    def num_scalars(self) -> int:
+        """skip weights, block lambdas (x, x0) and attention lambdas (qkv, o) per block, then smear and backout."""
+        return 5 * self.num_layers + 2
+
+    def check(self) -> "LayerMap":
+        L, attention = self.num_layers, set(range(1, self.num_layers)) - set(self.no_attention)
+        problems = [f"{name} names block {b}, not one of 0..{L - 1}" for name in ("no_attention", "no_mlp", "long_window")
+                    for b in getattr(self, name) if not 0 <= b < L]
+        problems += [f"value_embeds gives block {b} table {t}, but block {b} has no attention or table {t} is not "
+                     "one of 0, 1, 2" for b, t in self.value_embeds if b not in attention or t not in (0, 1, 2)]
+        problems += [f"long_window names block {b}, which has no attention" for b in self.long_window
+                     if b not in attention and 0 <= b < L]
+        if not 1 <= self.skip_from < self.skip_to < L or not 1 <= self.backout_from < L:
+            problems.append(f"the skip {self.skip_from} -> {self.skip_to} and the backout from {self.backout_from} must "
+                            f"be blocks 1..{L - 1}, the skip forward")
+        if problems:
+            more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+            raise ConfigError(f"--num-layers {L}: the layer map cannot work ({problems[0]}{more}): edit layer_map() "
+                              f"(its rule covers 9 layers or more), or pick another --num-layers")
+        return self
+
+    def line(self) -> str:
+        """The map, for the log."""
+        return (f"layers: {self.num_layers} blocks; no attention in {list(self.no_attention)}, no MLP in "
+                f"{list(self.no_mlp)}; long window in {list(self.long_window)}; value embeddings "
+                f"{', '.join(f'{b}<-{t}' for b, t in self.value_embeds)}; skip {self.skip_from} -> {self.skip_to}; "
+                f"backout from {self.backout_from}; {self.num_scalars} scalars")
+
+def layer_map(num_layers: int) -> LayerMap:
+    """The record's map (12 layers: skip 4 -> 7, backout 8, long windows 4 and 11, value embeddings in the first two
+    and last three blocks, block 7 MLP-only) as one rule of the layer count L."""
+    L = num_layers
+    skip_from, skip_to = L // 3, L // 2 + 1
+    return LayerMap(L, no_attention=(0, skip_to), no_mlp=(0,), long_window=(skip_from, L - 1),
+                    value_embeds=((1, 1), (2, 2), (L - 3, 0), (L - 2, 1), (L - 1, 2)), skip_from=skip_from,
+                    skip_to=skip_to, backout_from=2 * L // 3).check()
 
 class Yarn(nn.Module):
     """The rotary tables (cos, sin) of the half-truncated rotary embedding, whose low frequencies are stretched (YaRN,
@@ -1884,15 +1969,15 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
         # One stacked fp32 matrix: rows [0, 3d) are Wq, Wk, Wv and rows [3d, 4d) are Wo, all (out, in).
-        self.qkvo_w = set_optimizer_label(nn.Parameter(torch.empty(4 * dim, dim)), "attn")
-        bound = math.sqrt(3) * 0.5 * dim ** -0.5
+        self.qkvo_w = set_optimizer_label(nn.Parameter(torch.empty(4 * dim, dim)), "attn", "qkvo")
+        bound = uniform_bound(dim)
         with torch.no_grad():
             self.qkvo_w[:3 * dim].uniform_(-bound, bound)
             self.qkvo_w[3 * dim:].zero_()
-        # Sparse gate: one sigmoid per head and token, read off the first 12 channels of the block input.
-        self.attn_gate = nn.Linear(12, num_heads, bias=False)
+        # Sparse gate: one sigmoid per head and token, read off the first channels of the block input.
+        self.attn_gate = nn.Linear(GATE_INPUTS, num_heads, bias=False)
         nn.init.zeros_(self.attn_gate.weight)
-        set_optimizer_label(self.attn_gate.weight, "attn_gate")
+        set_optimizer_label(self.attn_gate.weight, "attn_gate", "gate")
 
     def forward(self, x, residual, ve, sa_lambdas, cu_seqlens, max_seqlen, window_table, window_row, yarn, kernels):
         """residual + attention(x): x is the normed block input, residual the block input."""
@@ -1902,16 +1987,16 @@ class CausalSelfAttention(nn.Module):
         qkv = F.linear(x, sa_lambdas[0] * w[:3 * d]).view(T, 3 * self.num_heads, self.head_dim)
         ve = None if ve is None else ve.view(T, self.num_heads, self.head_dim)
         y = kernels["attention"](qkv, ve, yarn.cos, yarn.sin, cu_seqlens, max_seqlen, window_table, window_row)
-        y = y * torch.sigmoid(F.linear(x[:, :12], self.attn_gate.weight)).unsqueeze(-1)
+        y = y * torch.sigmoid(F.linear(gate_input(x), self.attn_gate.weight)).unsqueeze(-1)
         return kernels["attention_output"](residual, y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
 
 class MLP(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         # Both stored (4d, d): h = x @ c_fc.T, out = h @ c_proj (same function as the untransposed record).
-        self.c_fc = set_optimizer_label(nn.Parameter(torch.empty(4 * dim, dim)), "mlp", lr_mul=1.0)
-        self.c_proj = set_optimizer_label(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", lr_mul=2.0)
-        bound = math.sqrt(3) * 0.5 * dim ** -0.5
+        self.c_fc = set_optimizer_label(nn.Parameter(torch.empty(4 * dim, dim)), "mlp", "matrix", lr_mul=1.0)
+        self.c_proj = set_optimizer_label(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", "matrix", lr_mul=2.0)
+        bound = uniform_bound(dim)
         with torch.no_grad():
             self.c_fc.uniform_(-bound, bound)
 
@@ -1919,52 +2004,42 @@ class MLP(nn.Module):
         return kernels["mlp"](x, self.c_fc.type_as(x), self.c_proj.type_as(x))
 
 class Block(nn.Module):
-    def __init__(self, layer: int, dim: int, num_heads: int, head_dim: int):
+    def __init__(self, layer: int, layers: LayerMap, dim: int, num_heads: int, head_dim: int):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim) if layer not in GPT.NO_ATTENTION else None
-        self.mlp = MLP(dim) if layer not in GPT.NO_MLP else None
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim) if layer not in layers.no_attention else None
+        self.mlp = MLP(dim) if layer not in layers.no_mlp else None
 
 class GPT(nn.Module):
-    NO_ATTENTION = (0, 7)          # block 0 is empty, block 7 is MLP-only
-    NO_MLP = (0,)
-    LONG_WINDOW_LAYERS = (4, 11)   # the rest use the short window
-    VALUE_EMBED_OF_LAYER = {1: 1, 2: 2, 9: 0, 10: 1, 11: 2}
-    SKIP_FROM, SKIP_TO, BACKOUT_FROM = 4, 7, 8
-    SKIP_WEIGHT = 1                # the skip weight the record reads for the 4 -> 7 skip (scalars[1])
-    NUM_SCALARS = 62               # 12 skip weights, 12x2 block lambdas, 12x2 SA lambdas, smear, backout
-
-    def __init__(self, args: Hyperparameters, max_seq_len: int, world_size: int = 1, kernels: dict = None,
-                 fp8: bool = False):
-        """max_seq_len: longest packed micro-batch (rotary tables); world_size: pads the scalars for DistAdam;
-        kernels: {name: function} from resolve_kernels (default: every plain function); fp8: FP8 lm_head in training."""
+    def __init__(self, args: Hyperparameters, max_seq_len: int, kernels: dict = None, fp8: bool = False):
+        """max_seq_len: longest packed micro-batch (rotary tables); kernels: {name: function} from resolve_kernels
+        (default: every plain function); fp8: FP8 lm_head in training."""
         super().__init__()
         d, L = args.model_dim, args.num_layers
+        self.layers = layer_map(L)
         self.kernels = kernels or {name: k.plain for name, k in FUSED_KERNELS.items()}
         self.vocab_size = next_multiple_of(args.vocab_size, 128)
         self.block_size = args.block_size
         self.embed = nn.Embedding(self.vocab_size, d)
-        self.smear_gate = nn.Linear(12, 1, bias=False)
+        self.smear_gate = nn.Linear(GATE_INPUTS, 1, bias=False)
         nn.init.zeros_(self.smear_gate.weight)
         self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
-        self.blocks = nn.ModuleList([Block(i, d, args.num_heads, args.head_dim) for i in range(L)])
+        self.blocks = nn.ModuleList([Block(i, self.layers, d, args.num_heads, args.head_dim) for i in range(L)])
         self.yarn = Yarn(args.head_dim, max_seq_len)
         self.lm_head = LMHead(d, self.vocab_size, self.kernels["lm_head_loss"], fp8)
         for m in self.modules():  # embeddings, gates and lm_head live in bf16; the big matrices stay fp32
             if isinstance(m, (nn.Embedding, nn.Linear)):
                 m.bfloat16()
-        pad = (-self.NUM_SCALARS) % world_size  # DistAdam shards dim 0 across ranks
-        self.scalars = nn.Parameter(torch.cat([
+        self.scalars = nn.Parameter(torch.cat([         # layers.num_scalars of them
             torch.full((L,), -1.5),                     # skip weights (sigmoid(-1.5) ~ 0.18)
             torch.tensor([1.1, 0.0]).repeat(L),         # block lambdas (x, x0)
             torch.tensor([0.5, 1.0]).repeat(L),         # SA lambdas (qkv, o)
-            torch.tensor([0.0, 0.5]),                   # smear lambda, backout lambda
-            torch.ones(pad)]))
-        set_optimizer_label(self.embed.weight, "embed", 75.0)
-        set_optimizer_label(self.smear_gate.weight, "smear_gate")
+            torch.tensor([0.0, 0.5])]))                 # smear lambda, backout lambda
+        set_optimizer_label(self.embed.weight, "embed", "adam", 75.0)
+        set_optimizer_label(self.smear_gate.weight, "smear_gate", "gate")
         for ve in self.value_embeds:
-            set_optimizer_label(ve.weight, "value_embed", 75.0)
-        set_optimizer_label(self.lm_head.weight, "lm_head", 1.0)
-        set_optimizer_label(self.scalars, "scalars", 5.0)
+            set_optimizer_label(ve.weight, "value_embed", "adam", 75.0)
+        set_optimizer_label(self.lm_head.weight, "lm_head", "adam", 1.0)
+        set_optimizer_label(self.scalars, "scalars", "adam", 5.0)
         self._trunk, self._head, self.is_compiled = self.trunk, self.head, False  # see compile_regions()
 
     def compile_regions(self, **options):
@@ -2005,7 +2080,8 @@ class GPT(nn.Module):
     def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, window_table: Tensor, max_seqlen: int) -> Tensor:
         """Embeddings and blocks: the normalised final hidden state (T, d)."""
         L = len(self.blocks)
-        skip_w = self.scalars[:L]           # one per layer; only the U-net skip into SKIP_TO's is used
+        layers = self.layers
+        skip_w = self.scalars[:L]           # one per layer; only the U-net skip's (layers.skip_weight) is read
         lambdas = self.scalars[L:3 * L].view(L, 2)
         sa_lambdas = self.scalars[3 * L:5 * L].view(L, 2)
         smear_lambda, backout_lambda = self.scalars[5 * L], self.scalars[5 * L + 1]
@@ -2013,25 +2089,25 @@ class GPT(nn.Module):
         ve = tuple(emb(input_seq) for emb in self.value_embeds)
         x = self.embed(input_seq)
         # Smear: mix a gated copy of the previous token's embedding into each position (1-token look-back).
-        gate = smear_lambda * torch.sigmoid(F.linear(x[1:, :12], self.smear_gate.weight))
+        gate = smear_lambda * torch.sigmoid(F.linear(gate_input(x[1:]), self.smear_gate.weight))
         x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
         x = x0 = norm(x)
         skip = backout = None
         for i in range(1, L):  # block 0 is empty
             block = self.blocks[i]
-            if i == self.SKIP_TO:
-                x = x + torch.sigmoid(skip_w[self.SKIP_WEIGHT]) * skip
+            if i == layers.skip_to:
+                x = x + torch.sigmoid(skip_w[layers.skip_weight]) * skip
             x = lambdas[i, 0] * x + lambdas[i, 1] * x0
             if block.attn is not None:
-                window_row = 1 if i in self.LONG_WINDOW_LAYERS else 0
-                v = ve[self.VALUE_EMBED_OF_LAYER[i]] if i in self.VALUE_EMBED_OF_LAYER else None
+                window_row = 1 if i in layers.long_window else 0
+                v = ve[dict(layers.value_embeds)[i]] if i in dict(layers.value_embeds) else None
                 x = block.attn(norm(x), x, v, sa_lambdas[i], cu_seqlens, max_seqlen, window_table, window_row,
                                self.yarn, self.kernels)
             if block.mlp is not None:
                 x = x + block.mlp(norm(x), self.kernels)
-            if i == self.SKIP_FROM:
+            if i == layers.skip_from:
                 skip = x
-            if i == self.BACKOUT_FROM:
+            if i == layers.backout_from:
                 backout = x
         return norm(x - backout_lambda * backout)
 
@@ -2792,23 +2868,57 @@ class BatchStream:
             return next(self.generator)  # the generator was created with the first settings
         return self.generator.send(settings)
 
+def check_optimizer_labels(model: nn.Module, world_sizes=(1, 2, 4, 8)) -> None:
+    """Every parameter's label and treatment (set_optimizer_label) can work, at each world size: one ConfigError
+    naming the parameter otherwise."""
+    seen = {}  # label -> (treatment, the first parameter with it)
+    for name, p in model.named_parameters():
+        label, treatment = getattr(p, "label", None), getattr(p, "treatment", None)
+        if label is None:
+            raise ConfigError(f"parameter {name} has no optimizer label: give it one where it is made, "
+                              "set_optimizer_label(p, LABEL, TREATMENT), LABEL naming its group and TREATMENT one of "
+                              + "; ".join(f"{k} ({v})" for k, v in TREATMENTS.items()))
+        if seen.setdefault(label, (treatment, name))[0] != treatment:
+            raise ConfigError(f"parameter {name} has label {label!r} as {treatment}, but {seen[label][1]} has it as "
+                              f"{seen[label][0]}: a label is one group with one treatment; give one of them another label")
+        if treatment != "adam" and p.dim() != 2:
+            raise ConfigError(f"parameter {name} of shape {tuple(p.shape)} is treated as {treatment}, but NorMuon takes "
+                              f"2-D matrices: make it one, or treat it as adam")
+        if treatment == "qkvo" and p.shape[0] != 4 * p.shape[1]:
+            raise ConfigError(f"parameter {name} is treated as qkvo, but its shape {tuple(p.shape)} is not (4d, d), "
+                              "Q, K, V and O stacked")
+    matrices = [p for p in model.parameters() if p.treatment != "adam"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    for world_size in world_sizes:
+        for group, ps in normuon_groups(matrices, world_size)[0]:
+            chunk = -(-len(ps) // world_size)
+            for r in range(world_size):
+                shard = ps[r * chunk:(r + 1) * chunk]
+                if len({p.treatment for p in shard}) > 1 and any(p.treatment == "qkvo" for p in shard):
+                    raise ConfigError(f"on {world_size} processes, NorMuon's rank {r} would stack parameter "
+                                      f"{names[id(shard[0])]} (qkvo) with matrices of another treatment in group "
+                                      f"{group}: give them labels of their own")
+
+def optimizer_plan(model: nn.Module, world_size: int) -> dict:
+    """{parameter name: (optimizer group, how its update is normalised)}: what build_optimizers makes of the labels."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    plan = {}
+    for group, ps in normuon_groups([p for p in model.parameters() if p.treatment != "adam"], world_size)[0]:
+        for p in ps:
+            stats = "per row" if normuon_reduce_dim(p.treatment, p.shape) == -1 else "per column"
+            plan[names[id(p)]] = (f"NorMuon {group}", f"{p.treatment}, second moment {stats}")
+    for name, p in model.named_parameters():
+        if p.treatment == "adam":
+            plan[name] = (f"DistAdam {p.label}", f"adam, {rows_per_rank(p, world_size)} rows per rank")
+    return plan
+
 def build_optimizers(model: GPT, args: Hyperparameters):
     """NorMuon for the matrices and gates, DistAdam for the rest, by each parameter's label (set_optimizer_label)."""
+    check_optimizer_labels(model, world_sizes=(_dist_world()[0],))
     names = {id(p): n for n, p in model.named_parameters()}
-    for name, p in model.named_parameters():
-        label = getattr(p, "label", None)
-        if label not in NORMUON_LABEL_ORDER + DISTADAM_LABEL_ORDER:
-            raise ConfigError(f"parameter {name} has {'no optimizer label' if label is None else f'label {label!r}'}, "
-                              f"which no optimizer takes: give it one with set_optimizer_label(), from "
-                              f"NORMUON_LABEL_ORDER {NORMUON_LABEL_ORDER} or DISTADAM_LABEL_ORDER "
-                              f"{DISTADAM_LABEL_ORDER} (add a new label to one of those tables)")
-        if "gate" in name and label not in NORMUON_GATE_LABELS:
-            raise ConfigError(f"parameter {name} looks like a gate but its label {label!r} is not in "
-                              f"NORMUON_GATE_LABELS {NORMUON_GATE_LABELS}: add it there (a gate gets one second "
-                              f"moment per row) or rename the module")
-    muon_params = [p for p in model.parameters() if p.label in NORMUON_LABEL_ORDER]
-    muon_params.sort(key=lambda p: p.label in NORMUON_GATE_LABELS)  # matrices first, then the gates
-    adam_params = [p for p in model.parameters() if p.label in DISTADAM_LABEL_ORDER]
+    muon_params = [p for p in model.parameters() if p.treatment != "adam"]
+    muon_params.sort(key=lambda p: p.treatment == "gate")  # matrices first, then the gates
+    adam_params = [p for p in model.parameters() if p.treatment == "adam"]
     adam = DistAdam(adam_params, lr=args.adam_lr, betas=args.adam_betas, eps=args.adam_eps)
     muon = NorMuon(muon_params, lr=args.muon_lr, weight_decay=args.muon_weight_decay,
                    momentum=args.muon_momentum_warmup[0], beta2=args.muon_beta2, orthogonalizer=args.orthogonalizer)
@@ -3425,7 +3535,7 @@ def build_model_and_optimizers(args: Hyperparameters, runtime: Runtime):
     optimizers."""
     micro_batches = runtime.grad_accum_steps * runtime.world_size  # per step, over all ranks
     max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
-    model = GPT(args, max_seq_len=max_seq_len, world_size=runtime.world_size, kernels=runtime.kernels,
+    model = GPT(args, max_seq_len=max_seq_len, kernels=runtime.kernels,
                 fp8=runtime.fp8).to(runtime.device)
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     if runtime.compile:
@@ -3458,6 +3568,7 @@ def build_trainer(args: Hyperparameters, runtime: Runtime, log_file: Path, repla
     log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}", console=False)
     log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
     log(runtime.config_line(args), console=False)
+    log(model.layers.line(), console=False)
     for note in (*runtime.kernel_notes, muon.grouping_note):
         if note:
             log(note)
@@ -3638,18 +3749,21 @@ def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
     path = Path(args.compile_cache)
     return (path, *load_compile_cache(path))
 
-def check_model(args: Hyperparameters, runtime: Runtime) -> None:
+def check_model(args: Hyperparameters, runtime: Runtime, memory: bool = True) -> None:
     """--check: what the settings ask of the model, before anything is allocated. The model is built on the meta
     device (no memory): every learning rate, times its multipliers, must stay finite in float32, where the optimizers
     apply it, and its parameters, their gradients and Adam's states must fit the device (a lower bound: activations
     are left out, so good settings are never refused; running out later is one line too, see main())."""
     with torch.device("meta"):
-        model = GPT(args, max_seq_len=1, world_size=runtime.world_size)
+        model = GPT(args, max_seq_len=1)
+    check_optimizer_labels(model, world_sizes=sorted({1, 2, 4, 8, runtime.world_size}))
     check_learning_rates(args, model)
+    if not memory:
+        return
     need = 0
     for p in model.parameters():
         size = p.numel() * p.element_size()
-        need += 2 * size + (2 * size // runtime.world_size if p.label in DISTADAM_LABEL_ORDER else 0)
+        need += 2 * size + (2 * size // runtime.world_size if p.treatment == "adam" else 0)
     if runtime.device == "cuda":
         have, per = torch.cuda.get_device_properties(runtime.local_rank).total_memory, "this GPU"
     else:
@@ -3665,7 +3779,7 @@ def check_learning_rates(args: Hyperparameters, model: GPT) -> None:
     peak = max(*args.lr_plateaus, args.lr_floor)  # the largest multiplier get_lr gives
     limit = float(np.finfo(np.float32).max)
     for name, p in model.named_parameters():
-        if p.label in DISTADAM_LABEL_ORDER:  # Adam's first steps divide by 1 - beta1 (bias correction)
+        if p.treatment == "adam":  # Adam's first steps divide by 1 - beta1 (bias correction)
             lr, flag = args.adam_lr * peak * p.lr_mul / (1 - args.adam_betas[0]), "--adam-lr"
         else:  # weight decay is scaled by the lr
             lr, flag = args.muon_lr * peak * normuon_lr_factor(p) * max(1.0, args.muon_weight_decay), "--muon-lr"
@@ -3690,6 +3804,7 @@ def run(args: Hyperparameters) -> None:
     runtime = resolve_runtime(args)
     # Bad data is refused before the compile cache's imports. ./run.sh launch ran --check, which read every token.
     find_data(args, runtime, scan=not os.environ.get(LAUNCHER_PID_ENV))
+    check_model(args, runtime, memory=False)
     cache_path, cache_loaded, cache_line = open_compile_cache(args)
     run_id = args.run_id or str(uuid.uuid4())
     trainer = build_trainer(args, runtime, log_path(args, run_id), replace_log=args.replace_log)
