@@ -508,7 +508,7 @@ def fused_softcap_ce_forward(logits: Tensor, targets: Tensor) -> tuple[Tensor, T
     T = logits.size(0)
     lse = torch.empty(T, dtype=torch.float32, device=logits.device)
     per_token = torch.empty(T, dtype=torch.float32, device=logits.device)
-    launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math=True)
+    launch_softcap_ce_forward(logits, targets, lse, per_token)
     return per_token.sum(), lse
 
 @fused_softcap_ce_forward.register_fake
@@ -523,7 +523,7 @@ def fused_softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad
     T, V = logits.shape
     g = torch.empty((T, V), dtype=torch.uint8, device=logits.device)
     g_t = torch.empty((V, T), dtype=torch.uint8, device=logits.device)
-    launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s, round_bf16=True, fp8=True, fast_math=True)
+    launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s)
     return g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
 
 @fused_softcap_ce_backward.register_fake
@@ -531,7 +531,7 @@ def _(logits, lse, targets, grad, grad_s):
     T, V = logits.shape
     return (logits.new_empty((T, V), dtype=torch.float8_e5m2), logits.new_empty((V, T), dtype=torch.float8_e5m2))
 
-def launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math: bool):
+def launch_softcap_ce_forward(logits, targets, lse, per_token):
     """_softcap_ce_forward_kernel: lse (T,) and per_token (T,) = lse - z_target, fp32 buffers."""
     T, V = logits.shape
     assert logits.is_contiguous()
@@ -539,18 +539,16 @@ def launch_softcap_ce_forward(logits, targets, lse, per_token, fast_math: bool):
     assert block_t * V < 2 ** 31, "in-tile offsets are int32"
     _softcap_ce_forward_kernel[(triton.cdiv(T, block_t),)](
         logits, targets, lse, per_token, T, V, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t, BLOCK_V=block_v,
-        FAST_MATH=fast_math, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
+        PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
 
-def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float, round_bf16: bool, fp8: bool,
-                               fast_math: bool):
-    """_softcap_ce_backward_kernel into out (T, V) and out_t (V, T): uint8 (fp8) or float32 buffers."""
+def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float):
+    """_softcap_ce_backward_kernel into out (T, V) and out_t (V, T), uint8 buffers of e5m2 bytes."""
     T, V = logits.shape
     block_t, block_v, warps = CE_BACKWARD_TILE
     assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
     _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
         logits, lse, targets, grad, out, out_t, T, V, grad_s, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t,
-        BLOCK_V=block_v, ROUND_BF16=round_bf16, FP8=fp8, FAST_MATH=fast_math, PTX_TANH=not _TRITON_INTERPRET,
-        num_warps=warps)
+        BLOCK_V=block_v, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
 
 class FusedLMHeadLoss(torch.autograd.Function):
     """lm_head_loss in fewer passes: the FP8 matmul, one Triton pass for the log-sum-exp, and in the backward one that
@@ -627,10 +625,10 @@ if triton is not None:
             return 2.0 * tl.sigmoid(2.0 * y) - 1.0
 
     @triton.jit
-    def _softcap_sigmoid(x, WIDTH: tl.constexpr, FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
-        # s = sigmoid(logit/WIDTH), softcap's z = CAP·s. FAST_MATH: (1 + tanh(logit/(2·WIDTH)))/2 with tanh.approx,
+    def _softcap_sigmoid(x, WIDTH: tl.constexpr, FAST: tl.constexpr, PTX_TANH: tl.constexpr):
+        # s = sigmoid(logit/WIDTH), softcap's z = CAP·s. FAST: (1 + tanh(logit/(2·WIDTH)))/2 with tanh.approx,
         # one special-function instruction instead of an exponential and a full-precision division.
-        if FAST_MATH:
+        if FAST:
             return 0.5 + 0.5 * _tanh_approx(x * (0.5 / WIDTH), PTX_TANH)
         else:
             return tl.sigmoid(x / WIDTH)
@@ -638,14 +636,12 @@ if triton is not None:
     @triton.jit
     def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
                                     CAP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-                                    BLOCK_V: tl.constexpr,
-                                    ROUND_BF16: tl.constexpr, FP8: tl.constexpr,
-                                    FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
+                                    BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr):
         # One (BLOCK_T x BLOCK_V) tile of grad·d/dlogits sum_t CE(softcap(logits_t), target_t):
         #   g = grad·(softmax(z) - onehot)·(CAP/WIDTH)·s·(1-s),  z = CAP·s, s = sigmoid(logit/WIDTH)
         # rounded to bf16 (the record's gradient dtype), divided by grad_s, cast to e5m2 and stored as (T, V) for dX
-        # and as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous), both stores coalesced. FP8=False
-        # stores fp32 (tests); FAST_MATH: tanh.approx for the sigmoid and a multiplication by 1/grad_s.
+        # and as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous), both stores coalesced. Fast math:
+        # tanh.approx for the sigmoid and a multiplication by 1/grad_s.
         row0 = tl.program_id(0) * BLOCK_T
         col0 = tl.program_id(1) * BLOCK_V
         r = tl.arange(0, BLOCK_T)   # in-tile offsets stay int32; only the tile bases are 64-bit
@@ -660,30 +656,21 @@ if triton is not None:
         row_lse = tl.load(lse + rows, mask=rmask, other=0.0)
         row_target = tl.load(targets + rows, mask=rmask, other=-1)
         scale = tl.load(grad).to(tl.float32)
-        s = _softcap_sigmoid(x, WIDTH, FAST_MATH, PTX_TANH)
+        s = _softcap_sigmoid(x, WIDTH, True, PTX_TANH)
         p = tl.exp(CAP * s - row_lse[:, None])
         onehot = (cols[None, :] == row_target[:, None]).to(tl.float32)
         g = scale * (p - onehot) * (CAP / WIDTH) * s * (1.0 - s)
-        if ROUND_BF16:
-            g = g.to(tl.bfloat16).to(tl.float32)
-        if FAST_MATH:
-            g = g * (1.0 / grad_s)
-        else:
-            g = g / grad_s
-        if FP8:
-            q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        else:
-            q = g
+        g = g.to(tl.bfloat16).to(tl.float32) * (1.0 / grad_s)
+        q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
         tl.store(out + tile + (r[:, None] * V + c[None, :]), q, mask=mask)
         tl.store(out_t + tile_t + (c[:, None] * T + r[None, :]), tl.trans(q), mask=tl.trans(mask))
 
     @triton.jit
     def _softcap_ce_forward_kernel(logits, targets, lse, per_token, T, V, CAP: tl.constexpr, WIDTH: tl.constexpr,
-                                   BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-                                   FAST_MATH: tl.constexpr, PTX_TANH: tl.constexpr):
+                                   BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr):
         # BLOCK_T rows of the (T, V) logits, swept in BLOCK_V-wide chunks: lse = log sum_v exp(CAP·s) with no max
         # pass (the softcap bounds z below CAP), then per_token = lse - z_target. exp(CAP·s) is one exp2 with
-        # the constant folded; FAST_MATH takes the sigmoid from tanh.approx, as the fused backward does. The
+        # the constant folded; the sigmoid comes from tanh.approx, as in the fused backward. The
         # target's term keeps the exact sigmoid.
         row0 = tl.program_id(0) * BLOCK_T
         r = tl.arange(0, BLOCK_T)
@@ -695,7 +682,7 @@ if triton is not None:
             cols = col0 + tl.arange(0, BLOCK_V)
             mask = rmask[:, None] & (cols[None, :] < V)
             x = tl.load(logits + base + (r[:, None] * V + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
-            s = _softcap_sigmoid(x, WIDTH, FAST_MATH, PTX_TANH)
+            s = _softcap_sigmoid(x, WIDTH, True, PTX_TANH)
             e = tl.exp2(s * (CAP * 1.4426950408889634))
             acc += tl.sum(tl.where(mask, e, 0.0), axis=1)
         row_lse = tl.log(acc)
@@ -1070,8 +1057,6 @@ def _pow2_at_least(x: int) -> int:
 
 # Tile overrides, {kind: {...}} or {(kind, m, k): {...}}, for tile sweeps and tests (symmetric kernels keep BLOCK_N
 # equal to BLOCK_M); empty in training.
-ORTHOGONALIZER_TILES = {}
-
 def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
     """Tiles and launch config of xxt ((n, m, k) -> (n, m, m)), ba_plus_cAA or ax_plus_bx ((n, m, m) x (n, m, k)):
     128x128 tiles, BLOCK_K 64, 8 warps, 4 stages (3 for ax_plus_bx), smaller where a matrix or _SMEM_BUDGET is."""
@@ -1092,19 +1077,14 @@ def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
     stages = 4 if sym else 3
     while stages > 1 and stages * (bm + bn) * bk * elsize > _SMEM_BUDGET:
         stages -= 1
-    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    cfg.update(ORTHOGONALIZER_TILES.get(kind, {}))
-    cfg.update(ORTHOGONALIZER_TILES.get((kind, m, k), {}))
-    if sym:
-        cfg["BLOCK_N"] = cfg["BLOCK_M"]
-    return cfg
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 if triton is not None:
 
     @triton.jit
-    def _dot_acc(a, b, acc, IEEE: tl.constexpr):
-        # acc += a·b; IEEE: exact fp32 products (fp32 inputs: tests, references) instead of TF32
-        if IEEE:
+    def _dot_acc(a, b, acc):
+        # acc += a·b; fp32 operands are multiplied exactly (IEEE), not in TF32
+        if a.dtype == tl.float32:
             return tl.dot(a, b, acc, input_precision="ieee")
         else:
             return tl.dot(a, b, acc)
@@ -1113,7 +1093,7 @@ if triton is not None:
     def _sym_gram_kernel(X, C, M, K, alpha, beta,
                          s_xb, s_xm, s_xk, s_cb, s_cm, s_cn,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN: tl.constexpr, IEEE: tl.constexpr, ADD_X: tl.constexpr):
+                         EVEN: tl.constexpr, ADD_X: tl.constexpr):
         # ns_line_1 (ADD_X=False): C[b] = X[b] X[b]ᵀ.
         # ns_line_2 (ADD_X=True):  C[b] = alpha·X[b]X[b]ᵀ + beta·X[b] for square symmetric X (= c·A·A + b·A,
         # since A·A = A·Aᵀ). Either way C is symmetric: program (pid, b) owns output tile (i, j) = divmod(pid, T),
@@ -1141,7 +1121,7 @@ if triton is not None:
                 kk = k0 + offk
                 a = tl.load(a_ptr, mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
                 b = tl.load(b_ptr, mask=(cols[None, :] < M) & (kk[:, None] < K), other=0.0)
-            acc = _dot_acc(a, b, acc, IEEE)
+            acc = _dot_acc(a, b, acc)
             a_ptr += BLOCK_K * s_xk
             b_ptr += BLOCK_K * s_xk
         mask = (rows[:, None] < M) & (cols[None, :] < M)
@@ -1159,7 +1139,7 @@ if triton is not None:
     def _ax_plus_bx_kernel(X, B, C, M, K, alpha,
                            s_xb, s_xm, s_xk, s_bb, s_bm, s_bn, s_cb, s_cm, s_ck,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           EVEN: tl.constexpr, IEEE: tl.constexpr):
+                           EVEN: tl.constexpr):
         # C[b] = alpha·X[b] + B[b] X[b] with X (M, K), B (M, M) (s_bb == 0 broadcasts one B over the batch).
         # ns_line_3: the fp32 accumulator starts at alpha·X and B·X accumulates into it.  Every load is masked on
         # its rows/cols AND its reduction index (an unmasked row once read out of bounds) unless EVEN says all
@@ -1191,7 +1171,7 @@ if triton is not None:
                 kk = k0 + offk
                 b = tl.load(b_ptr, mask=(rows[:, None] < M) & (kk[None, :] < M), other=0.0)
                 x = tl.load(x_ptr, mask=(kk[:, None] < M) & (cols[None, :] < K), other=0.0)
-            acc = _dot_acc(b, x, acc, IEEE)
+            acc = _dot_acc(b, x, acc)
             b_ptr += BLOCK_K * s_bn
             x_ptr += BLOCK_K * s_xm
         tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_ck, acc.to(C.dtype.element_ty), mask=out_mask)
@@ -1223,7 +1203,7 @@ def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: floa
     t = triton.cdiv(m, bm)
     _sym_gram_kernel[(t * t, n)](
         X3, C3, m, k, alpha, beta, X3.stride(0), X3.stride(1), X3.stride(2), C3.stride(0), C3.stride(1), C3.stride(2),
-        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bk == 0), IEEE=(X.dtype == torch.float32), ADD_X=add_x,
+        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bk == 0), ADD_X=add_x,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -1246,7 +1226,7 @@ def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None) -> Tensor:
         X3.stride(0), X3.stride(1), X3.stride(2), s_bb, B3.stride(1), B3.stride(2),
         C3.stride(0), C3.stride(1), C3.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bn == 0 and m % bk == 0),
-        IEEE=(X.dtype == torch.float32), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 # ---- the iteration, parametrised by its three matrix operations ----
@@ -1295,19 +1275,20 @@ def _polar_loop(G: Tensor, turbo: bool, dtype, ops, buffers: bool) -> Tensor:
         X, C = C, X
     return X.mT if transposed else X
 
-def polar_express_reference(G: Tensor, turbo: bool = False, dtype=torch.float32) -> Tensor:
-    """Pure-PyTorch Polar Express / Turbo-Muon in `dtype` (float32 or float64): tests and the CPU path."""
-    return _polar_loop(G, turbo, dtype, _TORCH_OPS, buffers=False)
+def polar_express_reference(G: Tensor, turbo: bool = False) -> Tensor:
+    """Pure-PyTorch Polar Express / Turbo-Muon in float32 (the CPU path, the gates), or float64 for a float64 G."""
+    return _polar_loop(G, turbo, torch.float64 if G.dtype == torch.float64 else torch.float32, _TORCH_OPS,
+                       buffers=False)
 
 def polar_express(G: Tensor, turbo: bool = False) -> Tensor:
     """Approximate polar factor of every matrix in G (..., rows, cols): bf16 on CUDA (Triton kernels where the
     matrices are large enough), float32 on the CPU; turbo=True: Turbo-Muon (AOL row scaling, one iteration less)."""
     if not G.is_cuda:
-        return polar_express_reference(G, turbo, torch.float32)
+        return polar_express_reference(G, turbo)
     if min(G.shape[-2:]) < KERNEL_MIN_DIM:
         # gates (6x12, 1x12): launch-bound, so fp32 costs nothing and avoids bf16 rounding of A and B (the torch
         # ops round each product to bf16, unlike the kernels' fp32 epilogues: ~8 % vs ~1 % deviation from fp32)
-        return polar_express_reference(G, turbo, torch.float32).bfloat16()
+        return polar_express_reference(G, turbo).bfloat16()
     use_kernels = _kernels_usable(G) and G.dim() in (2, 3)
     return _polar_loop(G, turbo, torch.bfloat16, _TRITON_OPS if use_kernels else _TORCH_OPS, buffers=use_kernels)
 
@@ -1937,18 +1918,14 @@ def parse_kernels(text: str) -> set | None:
 
 def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]:
     """({name: function the model calls}, notes for the log): `fused` takes each fused kernel that runs here, a listed
-    one must run; a fused kernel whose plain functions were edited is an error (it would compute the old ones)."""
+    one must run. A fused kernel that would run but whose plain functions were edited is an error (it would compute
+    the old ones); one that cannot run here is no reason to refuse an edit."""
     explicit = requested != "fused"
     chosen, notes = {}, []
     for name, kernel in FUSED_KERNELS.items():
         chosen[name] = kernel.plain
         if name not in parse_kernels(requested):
             continue
-        if code_fingerprint(*kernel.follows) != kernel.fingerprint:
-            edited = ", ".join(fn.__name__ for fn in kernel.follows)
-            raise ConfigError(f"the fused {name} kernel computes {edited} as written when it was made, and that code "
-                              f"has changed: run with --kernels plain (or leave {name} out of --kernels), or update "
-                              f"the fused kernel and FUSED_KERNELS['{name}'].fingerprint")
         try:
             if device != "cuda":
                 raise RuntimeError("it needs a CUDA GPU")
@@ -1961,7 +1938,14 @@ def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]
             if device == "cuda":
                 notes.append(f"kernels: plain {name} ({e})")
             continue
+        if code_fingerprint(*kernel.follows) != kernel.fingerprint:
+            edited = ", ".join(fn.__name__ for fn in kernel.follows)
+            raise ConfigError(f"the fused {name} kernel computes {edited} as written when it was made, and that code "
+                              f"has changed: run with --kernels plain (or leave {name} out of --kernels), or update "
+                              f"the fused kernel and FUSED_KERNELS['{name}'].fingerprint")
         chosen[name] = kernel.fused
+    if requested == "fused" and device != "cuda":
+        notes.append(f"kernels: no fused kernel runs on the {device}: the plain functions, as --kernels plain")
     return chosen, notes
 
 class CausalSelfAttention(nn.Module):
@@ -2770,7 +2754,6 @@ class MicroBatchGraphs:
     reduce-scatters, which gradients it starts): a key's first micro-batch is captured, later ones replay.
     writes_first (one micro-batch a step, 8 GPUs): a gradient set to None is handed over by autograd and copied into
     its buffer, as the record's backward does, instead of added to a zeroed buffer."""
-    Graph = CudaGraph  # what records a micro-batch (the CPU tests put a stand-in here)
 
     def __init__(self, model: nn.Module, adam: "DistAdam", grad_buffers: dict = None, writes_first: bool = False):
         self.model, self.adam, self.writes_first = model, adam, writes_first
@@ -2840,7 +2823,7 @@ class MicroBatchGraphs:
                 self.take_started_grads(grads_started)
                 reduced[:] = self.adam.join_reduce_scatters()
 
-            graph = self.Graph()
+            graph = CudaGraph()
             ran = graph.capture(micro_batch)
             entry = self.graphs[key] = (graph, static, reduced)
             self.captures += 1
@@ -3367,8 +3350,9 @@ def launcher_variables(env, check: bool = False) -> tuple[int, int, int]:
                           "(./run.sh launch N), or unset WORLD_SIZE to run one process")
     return world, rank, local
 
-def resolve_runtime(args: Hyperparameters, env=os.environ) -> Runtime:
+def resolve_runtime(args: Hyperparameters) -> Runtime:
     """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read."""
+    env = os.environ
     world_size, rank, local_rank = launcher_variables(env, check=args.check or args.check_flags)
     device = pick_device(args)
     if device != args.device and device == "cpu" and rank == 0:
@@ -3587,11 +3571,11 @@ def build_trainer(args: Hyperparameters, runtime: Runtime, log_file: Path, repla
 COMPILE_CACHE_DIRS = ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR", "TRITON_CACHE_DIR")
 INDUCTOR_DIR_ENTRY = "inductor_cache_dir.txt"  # the Inductor folder the bundle was written from
 
-def default_kernel_cache_dirs(env=os.environ, triton: bool = True) -> None:
+def default_kernel_cache_dirs(triton: bool = True) -> None:
     """Name every kernel-cache folder before anything compiles (a bundle restores and carries them): the folder each
     owner would pick anyway, and for Triton (unless triton=False: it imports Inductor, seconds) the one Inductor sets
     for this rank's GPU (our kernels then share it)."""
-    user_tmp = Path(tempfile.gettempdir()) / getpass.getuser()
+    env, user_tmp = os.environ, Path(tempfile.gettempdir()) / getpass.getuser()
     env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(user_tmp / "flash_attention_cute_dsl_cache"))
     env.setdefault("QUACK_CACHE_DIR", str(user_tmp / "quack_cache"))
     if triton and "TRITON_CACHE_DIR" not in env:
