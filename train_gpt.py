@@ -120,6 +120,7 @@ import sysconfig
 import tempfile
 import time
 import traceback
+import typing
 import uuid
 import warnings
 import zipfile
@@ -147,10 +148,11 @@ def _kernels_usable(t: Tensor) -> bool:
 # Config
 # =====================================================================================
 
-def setting(default, help, within: str = None, choices: tuple = None, length: int = None):
+def setting(default, help, within: str = None, choices: tuple = None, length: int = None, metavar: str = None):
     """A Hyperparameters field: its --help (a function where it quotes tables further down) and what is valid:
     numbers (each value of a tuple) in the interval `within`, one of `choices`, `length` values."""
-    return field(default=default, metadata=dict(help=help, choices=choices, within=within, length=length))
+    return field(default=default, metadata=dict(help=help, choices=choices, within=within, length=length,
+                                                metavar=metavar))
 
 COUNT, NONNEGATIVE, BELOW_ONE = "[1, inf)", "[0, inf)", "[0, 1)"   # the intervals most settings live in
 INT_LIMIT = 2**31 - 1  # the largest count or size a setting takes: token counts and windows are 32-bit on the device
@@ -160,34 +162,35 @@ SEED_LIMIT = 2**64 - 1  # torch.manual_seed's largest seed
 class Hyperparameters:
     # data (file patterns are relative to data_path)
     data_path: str = setting("data/fineweb10B", "folder holding the token shards")
-    train_files: str = setting("fineweb_train_*.bin", "glob of the training shards inside --data-path")
-    val_files: str = setting("fineweb_val_*.bin", "glob of the validation shards inside --data-path")
-    train_epochs: int = setting(1, "passes over the training shards; >1 lets a small (proxy) set last", COUNT)
-    val_tokens: int = setting(10_485_760, "validation tokens: the metric's first 10*2^20 of the val shard", COUNT)
+    train_files: str = setting("fineweb_train_*.bin", "glob of the training shards in --data-path")
+    val_files: str = setting("fineweb_val_*.bin", "glob of the validation shards in --data-path")
+    train_epochs: int = setting(1, "passes over the training shards (>1: a small set lasts)", COUNT)
+    val_tokens: int = setting(10_485_760, "validation tokens (the metric's: the first 10*2^20)", COUNT)
     val_batch_size: int = setting(4 * 64 * 1024 * 8, "global tokens per validation step", COUNT)
-    train_max_seq_len: int = setting(2048, "longest training document, in tokens (longer ones are cut)", COUNT)
+    train_max_seq_len: int = setting(2048, "longest training document, in tokens (cut after)", COUNT)
     # schedule
-    num_scheduled_iterations: int = setting(2120, "scheduled training steps (batch-size stages, lr cool-down)", COUNT)
-    num_extension_iterations: int = setting(40, "extra steps at the floor lr and the final window", NONNEGATIVE)
-    cooldown_frac: float = setting(0.55, "fraction of the scheduled steps cooling the lr down to --lr-floor", "(0, 1]")
+    num_scheduled_iterations: int = setting(2120, "scheduled steps (batch stages, lr cool-down)", COUNT)
+    num_extension_iterations: int = setting(40, "extra steps at the floor lr and final window", NONNEGATIVE)
+    cooldown_frac: float = setting(0.55, "share of the scheduled steps cooling the lr to --lr-floor", "(0, 1]")
     train_bs_schedule: tuple = setting((8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8),
-                                       "global tokens per step for each batch-size stage (equal thirds)", COUNT)
-    train_bs_extension: int = setting(24 * 2048 * 8, "global tokens per step in the extension steps", COUNT)
+                                       "global tokens per step, per stage (equal thirds)", COUNT)
+    train_bs_extension: int = setting(24 * 2048 * 8, "global tokens per step in the extension", COUNT)
     lr_plateaus: tuple = setting((1.0, 1.51, 1.93), "lr multiplier per stage, ~(batch/131072)^0.6", NONNEGATIVE)
-    lr_plateau_starts: tuple = setting((0.0, 0.33, 0.66), "fraction of the steps where each plateau starts", BELOW_ONE)
-    lr_floor: float = setting(0.1, "lr multiplier at the end of the cool-down and in the extension", NONNEGATIVE)
-    ws_schedule: tuple = setting((3, 7, 11), "long attention window per stage, in blocks (short = long // 2)", COUNT)
-    ws_final: int = setting(13, "long attention window of the extension steps, in blocks", COUNT)
-    ws_validate_post_yarn_ext: int = setting(20, "long window of the final validation (no YaRN update)", COUNT)
+    lr_plateau_starts: tuple = setting((0.0, 0.33, 0.66), "where each plateau starts, as a share of the steps",
+                                       BELOW_ONE)
+    lr_floor: float = setting(0.1, "lr multiplier after the cool-down", NONNEGATIVE)
+    ws_schedule: tuple = setting((3, 7, 11), "long attention window per stage, in blocks (short: half)", COUNT)
+    ws_final: int = setting(13, "long window of the extension steps, in blocks", COUNT)
+    ws_validate_post_yarn_ext: int = setting(20, "long window of the final validation (no YaRN)", COUNT)
     block_size: int = setting(128, "tokens per attention-window block", COUNT)
-    muon_momentum_warmup: tuple = setting((0.85, 0.95, 300), "NorMuon momentum ramp: START,END,STEPS from step 0",
+    muon_momentum_warmup: tuple = setting((0.85, 0.95, 300), "NorMuon momentum START,END over the first STEPS",
                                           NONNEGATIVE, length=3)
-    muon_momentum_cooldown: tuple = setting((0.95, 0.85, 50), "NorMuon momentum ramp START,END over the last STEPS "
-                                            "steps (the warm-up wins where they overlap)", NONNEGATIVE, length=3)
-    warmup_steps_per_stage: int = setting(10, "untimed warm-up steps per stage before the clock starts", "[2, inf)")
+    muon_momentum_cooldown: tuple = setting((0.95, 0.85, 50), "the same over the last STEPS (warm-up wins)",
+                                            NONNEGATIVE, length=3)
+    warmup_steps_per_stage: int = setting(10, "untimed warm-up steps per stage", "[2, inf)")
     # model
-    vocab_size: int = setting(50257, "vocabulary (padded to a multiple of 128); shards hold uint16", "[50257, 65536]")
-    num_layers: int = setting(12, "transformer blocks; layer_map() derives which has what (9 or more)", COUNT)
+    vocab_size: int = setting(50257, "vocabulary (padded to a multiple of 128; uint16 shards)", "[50257, 65536]")
+    num_layers: int = setting(12, "transformer blocks (9+; layer_map() says which has what)", COUNT)
     model_dim: int = setting(768, "width of the residual stream", "[12, inf)")
     num_heads: int = setting(6, "attention heads", COUNT)
     head_dim: int = setting(128, "width of each attention head", "[4, inf)")
@@ -196,37 +199,28 @@ class Hyperparameters:
     adam_betas: tuple = setting((0.65, 0.95), "DistAdam BETA1,BETA2", BELOW_ONE, length=2)
     adam_eps: float = setting(1e-8, "DistAdam epsilon", "(0, inf)")
     muon_lr: float = setting(0.023, "NorMuon lr for the hidden matrices and gates", NONNEGATIVE)
-    muon_weight_decay: float = setting(1.2, "NorMuon cautious weight decay (scaled by the scheduled lr)", NONNEGATIVE)
+    muon_weight_decay: float = setting(1.2, "NorMuon cautious weight decay (x the lr)", NONNEGATIVE)
     muon_beta2: float = setting(0.95, "NorMuon second-moment decay", BELOW_ONE)
-    orthogonalizer: str = setting("polar", lambda: f"NorMuon's orthogonalizer: Polar Express "
-                                  f"({len(POLAR_EXPRESS_COEFFS)} steps) or Turbo-Muon (AOL-preconditioned, "
-                                  f"{len(TURBO_MUON_COEFFS)} steps)",
-                                  choices=("polar", "turbo"))
+    orthogonalizer: str = setting("polar", lambda: f"NorMuon's: Polar Express ({len(POLAR_EXPRESS_COEFFS)} steps) or "
+                                  f"Turbo-Muon ({len(TURBO_MUON_COEFFS)})", choices=("polar", "turbo"))
     # run
     val_loss_every: int = setting(250, "validate every N steps; 0: only at the end", NONNEGATIVE)
-    save_checkpoint: bool = setting(False, "save model and optimizer states to <log-dir>/<run-id>/ at the end")
-    run_id: str = setting("", "name of the log, <log-dir>/<run-id>.txt (letters, digits, . _ -); empty: a UUID4")
-    replace_log: bool = setting(False, "replace an existing log (and checkpoint) of this --run-id, not refuse it")
-    seed: int = setting(-1, "torch seed for the initialisation; -1: unseeded, like the record", "[-1, inf)")
-    device: str = setting("auto", "where to train; auto: CUDA when visible, else the CPU for --smoke",
-                          choices=("auto", "cuda", "cpu"))
-    kernels: str = setting("fused", lambda: "fused: each fused kernel this GPU runs (a checked twin of a plain "
-                                            "function); plain: PyTorch ops only; or a list: " + ",".join(FUSED_KERNELS))
-    compile: str = setting("auto", "torch.compile the model and optimizer helpers; auto: on for CUDA; off: eager "
-                                   "(debugging, the CPU)", choices=("auto", "on", "off"))
-    fp8: str = setting("auto", "FP8 lm_head matmuls in training; auto: on for CUDA; off: bf16 (GPUs before Hopper)",
-                       choices=("auto", "on", "off"))
-    cuda_graphs: str = setting("auto", "replay each training micro-batch as one CUDA graph; auto: on with CUDA and "
-                                       "torch.compile; off: eager (debugging, A/B timing)",
-                               choices=("auto", "on", "off"))
-    compile_cache: str = setting("", "compile-cache bundle (a .zip file): loaded before the warm-up when it matches "
-                                     "this torch/triton/GPU, written after it when not; empty: off")
+    save_checkpoint: bool = setting(False, "save model and optimizer states at the end")
+    run_id: str = setting("", "the log's name: <log-dir>/<run-id>.txt; empty: a UUID4")
+    replace_log: bool = setting(False, "replace an earlier log (and checkpoint) of --run-id")
+    seed: int = setting(-1, "initialisation seed; -1: unseeded, like the record", "[-1, inf)")
+    device: str = setting("auto", "auto: CUDA if visible, else the CPU for --smoke", choices=("auto", "cuda", "cpu"))
+    kernels: str = setting("fused", lambda: "LIST of " + ", ".join(FUSED_KERNELS), metavar="fused|plain|LIST")
+    compile: str = setting("auto", "torch.compile; auto: on for CUDA", choices=("auto", "on", "off"))
+    fp8: str = setting("auto", "FP8 lm_head in training; auto: on for CUDA", choices=("auto", "on", "off"))
+    cuda_graphs: str = setting("auto", "auto, on, off, or check: each stage's first step against eager",
+                               choices=("auto", "on", "off", "check"), metavar="MODE")
+    compile_cache: str = setting("", "compiled-kernel bundle (.zip): loaded if it fits, else written")
     log_dir: str = setting("logs", "folder for <run-id>.txt")
-    fail_on_recompile: bool = setting(True, "stop if anything compiles in the timed loop; false: for experiments that "
-                                            "change shapes mid-run")
-    smoke: bool = setting(False, "tiny preset for CPUs and tests: 128-wide model, 30+3 steps (flags still win)")
-    check: bool = setting(False, "only validate the settings and the data for WORLD_SIZE processes, then exit")
-    check_flags: bool = setting(False, "only validate the settings for WORLD_SIZE processes, then exit")
+    fail_on_recompile: bool = setting(True, "stop if anything compiles in the timed loop")
+    smoke: bool = setting(False, "tiny preset for CPUs and tests (flags still win)")
+    check: bool = setting(False, "validate settings, outputs and data; exit")
+    check_flags: bool = setting(False, "validate the settings only; exit")
 
     @property
     def num_iterations(self) -> int:
@@ -286,7 +280,8 @@ def flag_name(name: str) -> str:
 def parse_args(argv=None) -> Hyperparameters:
     """Every Hyperparameters field becomes --kebab-case; tuples take comma-separated values."""
     parser = ArgumentParser(
-        usage="torchrun --standalone --nproc_per_node=8 train_gpt.py [FLAGS]   (1, 2, 4 or 8 processes)",
+        usage="torchrun --standalone --nproc_per_node=8 train_gpt.py [FLAGS]",
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=34),  # two lines a flag
         description="NanoGPT speedrun trainer. The defaults are the December 2025 record's settings; lists take "
                     "comma-separated values, booleans true/false (a bare boolean flag means true).")
     takes_value = set()
@@ -305,7 +300,7 @@ def parse_args(argv=None) -> Hyperparameters:
                                 type=value_parser(type(default[0]), tuple_of=True), help=help)
         else:
             kind = type(default)
-            metavar = None if choices else {int: "N", float: "X"}.get(kind, "TEXT")
+            metavar = f.metadata["metavar"] or (None if choices else {int: "N", float: "X"}.get(kind, "TEXT"))
             parser.add_argument(flag, default=None, type=str if kind is str else value_parser(kind), choices=choices,
                                 metavar=metavar, help=help)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -1948,6 +1943,15 @@ def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]
         notes.append(f"kernels: no fused kernel runs on the {device}: the plain functions, as --kernels plain")
     return chosen, notes
 
+class Documents(typing.NamedTuple):
+    """What attention needs to know of a packed micro-batch: where its documents start (cu_seqlens), the longest
+    one, the windows' table (GPT.window_table) and the rotary tables."""
+    cu_seqlens: Tensor
+    max_seqlen: int
+    window_table: Tensor
+    cos: Tensor
+    sin: Tensor
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int):
         super().__init__()
@@ -1963,14 +1967,17 @@ class CausalSelfAttention(nn.Module):
         nn.init.zeros_(self.attn_gate.weight)
         set_optimizer_label(self.attn_gate.weight, "attn_gate", "gate")
 
-    def forward(self, x, residual, ve, sa_lambdas, cu_seqlens, max_seqlen, window_table, window_row, yarn, kernels):
-        """residual + attention(x): x is the normed block input, residual the block input."""
+    def forward(self, x: Tensor, residual: Tensor, ve: Tensor | None, sa_lambdas: Tensor, docs: "Documents",
+                window_row: int, kernels: dict) -> Tensor:
+        """residual + attention(x): x is the normed block input, residual the block input, window_row which of
+        docs' windows (0: short, 1: long)."""
         T, d = x.shape
         w = self.qkvo_w.type_as(x)
         # sa_lambdas are folded into the weights (a 768x2304 multiply is cheaper than a T x 2304 one).
         qkv = F.linear(x, sa_lambdas[0] * w[:3 * d]).view(T, 3 * self.num_heads, self.head_dim)
         ve = None if ve is None else ve.view(T, self.num_heads, self.head_dim)
-        y = kernels["attention"](qkv, ve, yarn.cos, yarn.sin, cu_seqlens, max_seqlen, window_table, window_row)
+        y = kernels["attention"](qkv, ve, docs.cos, docs.sin, docs.cu_seqlens, docs.max_seqlen, docs.window_table,
+                                 window_row)
         y = y * torch.sigmoid(F.linear(gate_input(x), self.attn_gate.weight)).unsqueeze(-1)
         return kernels["attention_output"](residual, y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
 
@@ -2076,6 +2083,7 @@ class GPT(nn.Module):
         gate = smear_lambda * torch.sigmoid(F.linear(gate_input(x[1:]), self.smear_gate.weight))
         x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
         x = x0 = norm(x)
+        docs = Documents(cu_seqlens, max_seqlen, window_table, self.yarn.cos, self.yarn.sin)
         skip = backout = None
         for i in range(1, L):  # block 0 is empty
             block = self.blocks[i]
@@ -2085,8 +2093,7 @@ class GPT(nn.Module):
             if block.attn is not None:
                 window_row = 1 if i in layers.long_window else 0
                 v = ve[dict(layers.value_embeds)[i]] if i in dict(layers.value_embeds) else None
-                x = block.attn(norm(x), x, v, sa_lambdas[i], cu_seqlens, max_seqlen, window_table, window_row,
-                               self.yarn, self.kernels)
+                x = block.attn(norm(x), x, v, sa_lambdas[i], docs, window_row, self.kernels)
             if block.mlp is not None:
                 x = x + block.mlp(norm(x), self.kernels)
             if i == layers.skip_from:
@@ -2802,9 +2809,10 @@ class MicroBatchGraphs:
         for i in grads_started:
             self.params[i].grad = self.grads[i]
 
-    def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward):
+    def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward) -> Tensor:
         """One micro-batch through its graph: forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor)
-        runs loss / divisor backward and returns the loss, which the graph writes into self.loss."""
+        runs loss / divisor backward and returns the loss, which the graph writes into self.loss (returned; the next
+        micro-batch writes over it)."""
         key = self.key(batch, ws_short, ws_long)
         grads_started = key[-1]
         self.attach_grads(grads_started)
@@ -2828,7 +2836,7 @@ class MicroBatchGraphs:
             entry = self.graphs[key] = (graph, static, reduced)
             self.captures += 1
             if ran:
-                return
+                return self.loss
         else:
             for mine, t in zip(entry[1], batch):
                 mine.copy_(t, non_blocking=True)
@@ -2839,6 +2847,7 @@ class MicroBatchGraphs:
         if reduced:
             self.adam.reduce_scatters_replayed(reduced)
         self.replays += 1
+        return self.loss
 
 class BatchStream:
     """The data generator, primed on first use."""
@@ -2911,17 +2920,6 @@ def build_optimizers(model: GPT, args: Hyperparameters):
             group["initial_lr"] = group["lr"]
     return adam, muon
 
-def optimizer_step(step: int, model: nn.Module, adam, muon):
-    """NorMuon steps every step; Adam every other step on the gradient summed over two steps."""
-    if step % 2 == 0:
-        muon.step()
-        muon.zero_grad(set_to_none=True)
-    else:
-        adam.step()
-        muon.step()
-        model.zero_grad(set_to_none=True)
-        adam.should_sync = False
-
 @dataclass(frozen=True)
 class RunResult:
     steps: int
@@ -2959,6 +2957,10 @@ class Interrupted(RunStopped):
 
     def last_line(self, where: str) -> str:
         return f"{self} {where}"
+
+class GraphsDiffer(RunStopped):
+    """--cuda-graphs check: a CUDA graph's loss differs from the same micro-batch's eager loss."""
+    status = 2
 
 class PeerGone(RunStopped):
     """A collective failed because another rank ended: that rank's own output (or the launcher) says why."""
@@ -2998,28 +3000,50 @@ class Trainer:
 
     def train_step(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
                    micro_batches: int) -> Tensor:
-        """One training step: every micro-batch's forward and backward, then the optimizers. settings: the data
-        generator's new (batch size, ...) at a stage switch, else None. Returns the last micro-batch's loss."""
-        losses = self.accumulate_gradients(step, batches, settings, ws_short, ws_long, micro_batches)
-        optimizer_step(step, self.model, self.adam, self.muon)
-        return losses[-1]
-
-    def accumulate_gradients(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
-                             micro_batches: int) -> list:
-        """Every micro-batch's forward and backward (its CUDA graph replayed, or eagerly), the gradients summed into
-        .grad. Returns each micro-batch's summed loss (0-D tensors on the device)."""
-        losses = []
+        """One training step: every micro-batch's forward and backward, the gradients summed in .grad, then the
+        optimizers. NorMuon steps every step; DistAdam every other step, on the gradients summed over two steps (on
+        those steps the last backward's gradient hooks start its reduce-scatters). settings: the data generator's
+        new (batch size, ...) at a stage switch, else None. Returns the last micro-batch's loss."""
+        adam_steps = step % 2 == 1
         for micro in range(micro_batches):
-            last = micro == micro_batches - 1
-            # Adam steps on odd steps: the gradient hooks of that step's last backward launch its reduce-scatters
-            self.adam.should_sync = step % 2 == 1 and last
             batch = batches.get(settings if micro == 0 else None)
-            if self.graphs is not None:
-                self.graphs.run(batch, ws_short, ws_long, micro_batches, self.forward_backward)
-                losses.append(self.graphs.loss if last else self.graphs.loss.clone())
+            self.adam.should_sync = adam_steps and micro == micro_batches - 1
+            loss = self.micro_batch(batch, ws_short, ws_long, micro_batches)
+        self.adam.should_sync = False
+        if adam_steps:
+            self.adam.step()
+        self.muon.step()
+        (self.model if adam_steps else self.muon).zero_grad(set_to_none=True)
+        return loss
+
+    def graphs_against_eager(self, step: int, stage: "Stage") -> None:
+        """--cuda-graphs check, at a stage's first step: one of its micro-batches replayed as its CUDA graph and run
+        eagerly, from the same weights. A value the forward reads that has changed since the capture (a Python
+        number is frozen into the graph) makes their losses differ: the run stops, saying so. The gradients and
+        the data stream are left as they were."""
+        batch = self.new_batches(stage.batch_size).get()
+        params = list(self.model.parameters())
+        before = [None if p.grad is None else p.grad.clone() for p in params]
+        n = self.runtime.grad_accum_steps
+        graphed = self.graphs.run(batch, stage.ws_short, stage.ws_long, n, self.forward_backward).clone()
+        eager = self.forward_backward(*batch, stage.ws_short, stage.ws_long, n)
+        for p, g in zip(params, before):
+            if g is None or p.grad is None:
+                p.grad = g
             else:
-                losses.append(self.forward_backward(*batch, ws_short, ws_long, micro_batches))
-        return losses
+                p.grad.copy_(g)
+        if not torch.equal(graphed, eager):
+            raise GraphsDiffer(f"stopped at step {step}: {stage.name}'s CUDA graph gives loss {graphed.item():.6f} "
+                               f"and eager {eager.item():.6f}: the forward reads a value that changed since the graphs "
+                               f"were captured (README: Changing the model)")
+        self.log(f"cuda graphs check: {stage.name} at step {step}: graph and eager loss {eager.item():.6f}",
+                 console=False)
+
+    def micro_batch(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int) -> Tensor:
+        """One micro-batch's forward and backward: its CUDA graph replayed, or run eagerly. Returns its loss."""
+        if self.graphs is not None:
+            return self.graphs.run(batch, ws_short, ws_long, micro_batches, self.forward_backward)
+        return self.forward_backward(*batch, ws_short, ws_long, micro_batches)
 
     def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor) -> Tensor:
         """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward. Returns
@@ -3132,16 +3156,22 @@ class Trainer:
                 if step in switch_steps:
                     log(schedule_line(step, a))
                 self.model.yarn.set_window(ws_long)
-                if last or (a.val_loss_every > 0 and step % a.val_loss_every == 0):
+                validate = last or (a.val_loss_every > 0 and step % a.val_loss_every == 0)
+                check_graphs = self.runtime.check_graphs and step in switch_steps
+                if validate or check_graphs:  # off the clock
                     synchronize(self.runtime.device)
                     if step > 0:  # before step 0 nothing has trained: a slow log write is not training time
                         training_time_ms += 1000 * (time.perf_counter() - t0)
-                    eval_long = a.ws_validate_post_yarn_ext if last else ws_long  # no YaRN update for the final one
-                    val_loss = self.evaluate(ws_short, eval_long)
-                    if not math.isfinite(val_loss):
-                        raise TrainingDiverged(f"stopped at step {step}: the validation loss is {val_loss}")
-                    log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
-                        f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+                    if validate:
+                        eval_long = a.ws_validate_post_yarn_ext if last else ws_long  # the final: no YaRN update
+                        val_loss = self.evaluate(ws_short, eval_long)
+                        if not math.isfinite(val_loss):
+                            raise TrainingDiverged(f"stopped at step {step}: the validation loss is {val_loss}")
+                        log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
+                            f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+                    if check_graphs and not last:
+                        self.set_schedules(step)
+                        self.graphs_against_eager(step, stage)
                     synchronize(self.runtime.device)
                     t0 = time.perf_counter()
                 if last:
@@ -3289,6 +3319,7 @@ class Runtime:
     kernels: dict = field(default_factory=dict)      # {name: the function the model calls} (resolve_kernels)
     kernel_notes: tuple = ()                          # fused kernels that cannot run here, and why
     cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)
+    check_graphs: bool = False        # --cuda-graphs check: each stage's first step graphed and eager, compared
     bf16_gemms_in_fp32: bool = False  # a CPU without native bf16 GEMMs: they run in fp32 (bf16_gemms_in_fp32)
 
     @property
@@ -3363,16 +3394,17 @@ def resolve_runtime(args: Hyperparameters) -> Runtime:
         raise ConfigError("--compile on needs a CUDA GPU (the CPU's reference attention cannot be compiled)")
     if args.fp8 == "on" and device != "cuda":
         raise ConfigError("--fp8 on needs a CUDA GPU (FP8 matmuls); use --fp8 auto or off on the CPU")
-    if args.cuda_graphs == "on" and device != "cuda":
-        raise ConfigError("--cuda-graphs on needs a CUDA GPU: use --cuda-graphs auto or off")
+    if args.cuda_graphs in ("on", "check") and device != "cuda":
+        raise ConfigError(f"--cuda-graphs {args.cuda_graphs} needs a CUDA GPU: use --cuda-graphs auto or off")
     fp8 = args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda")
     kernels, notes = resolve_kernels(args.kernels, device, fp8)
     return Runtime(device=device, rank=rank, local_rank=local_rank,
                    world_size=world_size, launched=bool(env.get("MASTER_ADDR")) and "RANK" in env,
                    grad_accum_steps=grad_accum_steps_for(world_size),
                    compile=use_compile, fp8=fp8, kernels=kernels, kernel_notes=tuple(notes),
-                   cuda_graphs=args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device == "cuda"
-                                                           and use_compile),
+                   cuda_graphs=args.cuda_graphs in ("on", "check") or (args.cuda_graphs == "auto" and device == "cuda"
+                                                                       and use_compile),
+                   check_graphs=args.cuda_graphs == "check",
                    bf16_gemms_in_fp32=device == "cpu" and not use_compile and not native_bf16_gemms())
 
 def check_writable(path: Path, what: str) -> None:

@@ -44,9 +44,9 @@ QUESTION = "How close to the exact polar factor, and how fast, are Polar Express
 def normuon_params(world: int) -> list:
     """The record model's NorMuon parameters, in build_optimizers' order, on the meta device (no memory)."""
     with torch.device("meta"):
-        model = tg.GPT(tg.Hyperparameters(), max_seq_len=128, world_size=world)
-    params = [p for p in model.parameters() if getattr(p, "label", None) in tg.NORMUON_LABEL_ORDER]
-    return sorted(params, key=lambda p: p.label in tg.NORMUON_GATE_LABELS)  # stable: matrices, then gates
+        model = tg.GPT(tg.Hyperparameters(), max_seq_len=128)
+    params = [p for p in model.parameters() if p.treatment != "adam"]
+    return sorted(params, key=lambda p: p.treatment == "gate")  # stable: matrices, then gates
 
 
 def shard_shapes(params: list, world: int) -> list:
@@ -59,7 +59,7 @@ def shard_shapes(params: list, world: int) -> list:
             local = ps[min(size, rank * chunk):min(size, rank * chunk + chunk)]
             if not local:
                 continue
-            shape = (4 * len(local), r // 4, c) if {p.label for p in local} == {"attn"} else (len(local), r, c)
+            shape = (4 * len(local), r // 4, c) if {p.treatment for p in local} == {"qkvo"} else (len(local), r, c)
             row = rows.setdefault((name, shape), dict(group=name, ranks=[], shape=list(shape),
                                                       dtype=str(ps[0].dtype).removeprefix("torch.")))
             row["ranks"].append(rank)
