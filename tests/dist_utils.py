@@ -3,7 +3,10 @@
     results = run_gloo(fn, world_size, *args)   # fn(rank, world_size, *args) -> anything torch.save can store
 
 `fn` must be a module-level function of an importable module (with "spawn", children unpickle it by name).
+
+    runtime = runtime_for(args, **env)          # train_gpt.resolve_runtime with exactly these launcher variables
 """
+import contextlib
 import os
 import tempfile
 import traceback
@@ -12,6 +15,34 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def launcher_env(**env):
+    """os.environ holding exactly these of torchrun's variables (none: a process started without torchrun), where
+    train_gpt reads them; the environment as it was afterwards."""
+    saved = {k: os.environ.get(k) for k in LAUNCHER_ENV}
+    try:
+        for k in LAUNCHER_ENV:
+            os.environ.pop(k, None)
+        os.environ.update({k: str(v) for k, v in env.items()})
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def runtime_for(args, **env):
+    """train_gpt.resolve_runtime(args) in a process with these launcher variables (none: one process)."""
+    import train_gpt as tg
+    with launcher_env(**env):
+        return tg.resolve_runtime(args)
+
 
 # fork: children inherit the already-imported torch/train_gpt (seconds instead of ~5 s per child on 2 cores).
 START_METHOD = "fork" if "fork" in mp.get_all_start_methods() else "spawn"

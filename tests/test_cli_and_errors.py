@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import train_gpt as tg
+from dist_utils import runtime_for
 from proxy_shards import build_shards, write_shard
 from processes import run_group
 
@@ -114,10 +115,10 @@ def test_help_gives_each_flag_its_description_default_and_allowed_values(help_ru
     for f in dataclasses.fields(tg.Hyperparameters):
         assert tg.help_text(f), f"{f.name} has no --help text"
         assert " ".join(tg.help_text(f).split()) in text, f.name
-    assert "--orthogonalizer {polar,turbo}" in text and "--kernels TEXT" in text
+    assert "--orthogonalizer {polar,turbo}" in text and "--kernels fused|plain|LIST" in text
     # help strings that quote tables defined further down in the file are made when --help is printed
-    assert "Polar Express (5 steps) or Turbo-Muon (AOL-preconditioned, 4 steps)" in text
-    assert "or a list: attention,mlp,attention_output,lm_head_loss (default: fused)" in text
+    assert "Polar Express (5 steps) or Turbo-Muon (4)" in text
+    assert "LIST of attention, mlp, attention_output, lm_head_loss (default: fused)" in text
     assert "unseeded, like the record (default: -1)" in text
     assert "(default: None)" not in text and "lambda" not in text
 
@@ -459,15 +460,16 @@ def test_the_removed_kernel_flags_are_unknown(flag, value):
         tg.parse_args([flag, value])
 
 
-def test_kernels_fused_takes_the_plain_functions_on_the_cpu_and_a_list_must_run_here():
+def test_kernels_fused_takes_the_plain_functions_on_the_cpu_saying_so_once_and_a_list_must_run_here():
     assert tg.parse_kernels("fused") == set(tg.FUSED_KERNELS) and tg.parse_kernels("plain") == set()
     assert tg.parse_kernels(" mlp, attention ") == {"mlp", "attention"} and tg.parse_kernels("mlp,flash") is None
-    for flag in ("fused", "plain"):
-        runtime = tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--kernels", flag]), env={})
+    for flag, notes in (("fused", ("kernels: no fused kernel runs on the cpu: the plain functions, as --kernels "
+                                   "plain",)), ("plain", ())):
+        runtime = runtime_for(tg.parse_args(["--smoke", "--device", "cpu", "--kernels", flag]))
         assert runtime.kernels == {n: k.plain for n, k in tg.FUSED_KERNELS.items()} and runtime.fused == "none"
-        assert runtime.kernel_notes == ()  # nothing to say on the CPU: no fused kernel runs there
+        assert runtime.kernel_notes == notes  # fused: one note for all (no fused kernel runs on the CPU)
     with pytest.raises(tg.ConfigError, match="the fused lm_head_loss kernel cannot run here"):
-        tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--kernels", "lm_head_loss"]), env={})
+        runtime_for(tg.parse_args(["--smoke", "--device", "cpu", "--kernels", "lm_head_loss"]))
 
 
 def test_error_compile_on_the_cpu(main, tmp_path, good_data):

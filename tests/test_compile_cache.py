@@ -167,12 +167,16 @@ def test_bundle_knows_this_files_triton_kernels_by_name():
     assert not any(n.startswith("triton_") for n in names)  # Inductor's prefix: those are never ours
 
 
-def test_kernel_cache_folders_get_their_owners_defaults_and_keep_a_users_choice(tmp_path):
-    env = {"LOCAL_RANK": "3", "QUACK_CACHE_DIR": str(tmp_path / "mine")}
-    tg.default_kernel_cache_dirs(env)
-    assert env["QUACK_CACHE_DIR"] == str(tmp_path / "mine")
-    assert env["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"].endswith("flash_attention_cute_dsl_cache")
-    assert Path(env["TRITON_CACHE_DIR"]).parts[-2:] == ("triton", "3")  # Inductor's folder for GPU 3
+def test_kernel_cache_folders_get_their_owners_defaults_and_keep_a_users_choice(tmp_path, monkeypatch):
+    for var in ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "TRITON_CACHE_DIR"):  # setenv first: monkeypatch then
+        monkeypatch.setenv(var, "")                                         # restores what the call sets
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "mine"))
+    tg.default_kernel_cache_dirs()  # in os.environ, where the kernels' owners read them
+    assert os.environ["QUACK_CACHE_DIR"] == str(tmp_path / "mine")
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"].endswith("flash_attention_cute_dsl_cache")
+    assert Path(os.environ["TRITON_CACHE_DIR"]).parts[-2:] == ("triton", "3")  # Inductor's folder for GPU 3
 
 
 EDITED_SCRIPT_PROCESS = r"""

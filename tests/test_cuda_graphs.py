@@ -14,6 +14,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import train_gpt as tg
+from dist_utils import runtime_for
 from proxy_shards import build_shards
 
 
@@ -71,7 +72,7 @@ def trainer(tmp_path_factory):
                           "--data-path", str(folder / "data"), "--log-dir", str(folder / "logs")])
     # two micro-batches a step (as at four ranks) instead of one process's eight: what the graphs do with a step's
     # first, later and last micro-batch is the same, at a quarter of the CPU time (four a step at two ranks: below)
-    runtime = dataclasses.replace(tg.resolve_runtime(args, env={}), grad_accum_steps=2)
+    runtime = dataclasses.replace(runtime_for(args), grad_accum_steps=2)
     return tg.build_trainer(args, runtime, folder / "logs" / "graphs.txt")
 
 
@@ -90,14 +91,14 @@ def train_steps(trainer, graphs, steps_per_stage: int = 1, one_micro_batch: bool
     micro_batches = 1 if one_micro_batch else trainer.runtime.grad_accum_steps
     step, losses, starts = 0, [], []
 
-    def accumulate_gradients(*a):  # train_step's own call, watched: every micro-batch's loss
-        got = tg.Trainer.accumulate_gradients(trainer, *a)
-        assert len(got) == micro_batches
-        # with graphs the last one is the graphs' loss buffer, which the next replay overwrites
-        losses.extend(loss.clone() for loss in got)
-        return got
+    def micro_batch(*a):  # train_step's own call, watched: every micro-batch's loss
+        loss = tg.Trainer.micro_batch(trainer, *a)
+        if graphs is not None:
+            assert loss is graphs.loss  # the graphs' loss buffer, which the next micro-batch overwrites
+        losses.append(loss.clone())
+        return loss
 
-    trainer.accumulate_gradients = accumulate_gradients
+    trainer.micro_batch = micro_batch
     try:
         for stage in tg.stages(args):
             model.yarn.set_window(stage.ws_long)
@@ -105,11 +106,13 @@ def train_steps(trainer, graphs, steps_per_stage: int = 1, one_micro_batch: bool
             for _ in range(steps_per_stage):
                 if graphs is not None:
                     starts.append({id(graphs.params[i]) for i in graphs.key((), 0, 0)[-1]})
+                before = len(losses)
                 last = trainer.train_step(step, batches, None, stage.ws_short, stage.ws_long, micro_batches)
+                assert len(losses) - before == micro_batches
                 assert torch.equal(last, losses[-1])  # train_step returns the step's last micro-batch loss
                 step += 1
     finally:
-        del trainer.accumulate_gradients
+        del trainer.micro_batch
     return [p.detach().clone() for p in model.parameters()], losses, starts
 
 
@@ -143,7 +146,7 @@ def test_training_through_replayed_graphs_matches_eager_training_bit_for_bit(tra
                                                                               monkeypatch):
     eager, eager_losses, _ = eager_steps(1, False)
     from_the_start(trainer, initial)
-    monkeypatch.setattr(tg.MicroBatchGraphs, "Graph", graph)
+    monkeypatch.setattr(tg, "CudaGraph", graph)  # what MicroBatchGraphs records a micro-batch with
     graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers)
     try:
         graphed, graphed_losses, _ = train_steps(trainer, graphs)
@@ -164,7 +167,7 @@ def test_with_one_micro_batch_a_step_the_graphs_write_the_gradients_they_start_a
         trainer, initial, eager_steps, graph, monkeypatch):
     eager, eager_losses, _ = eager_steps(3, True)
     from_the_start(trainer, initial)
-    monkeypatch.setattr(tg.MicroBatchGraphs, "Graph", graph)
+    monkeypatch.setattr(tg, "CudaGraph", graph)  # what MicroBatchGraphs records a micro-batch with
     graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers, writes_first=True)
     try:
         graphed, graphed_losses, starts = train_steps(trainer, graphs, steps_per_stage=3, one_micro_batch=True)
@@ -185,11 +188,9 @@ def test_with_one_micro_batch_a_step_the_graphs_write_the_gradients_they_start_a
     assert graphs.replays == 3 * stages - (graphs.captures if graph is RerunGraph else 0)
 
 
-def test_the_graph_type_is_a_class_attribute_and_the_buffers_every_graph_shares_are_made_up_front(trainer):
-    assert tg.MicroBatchGraphs.Graph is tg.CudaGraph  # what trains on a GPU
+def test_the_buffers_every_graph_shares_are_made_up_front(trainer):
     graphs = tg.MicroBatchGraphs(trainer.model, trainer.adam, trainer.muon.grad_buffers)
-    graphs.Graph = RerunGraph  # one instance's own
-    assert tg.MicroBatchGraphs.Graph is tg.CudaGraph and graphs.graphs == {} and graphs.captures == 0
+    assert graphs.graphs == {} and graphs.captures == 0
     # outside any graph's memory pool: the gradients every graph adds into (NorMuon's rows of its gradient stacks,
     # zeros for the rest), the loss's divisor and the loss
     assert len(graphs.grads) == len(graphs.params) == len(list(trainer.model.parameters()))
@@ -247,14 +248,14 @@ def torchrun_env(world_size, rank) -> dict:
 
 def test_cuda_graphs_resolve_on_with_cuda_and_compile_at_every_world_size_and_refuse_the_cpu(monkeypatch):
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off"])
-    assert tg.resolve_runtime(args, env={}).cuda_graphs is False  # auto on the CPU
-    assert tg.resolve_runtime(args, env=torchrun_env(2, 0)).cuda_graphs is False  # gloo
+    assert runtime_for(args).cuda_graphs is False  # auto on the CPU
+    assert runtime_for(args, **torchrun_env(2, 0)).cuda_graphs is False  # gloo
     with pytest.raises(tg.ConfigError, match="needs a CUDA GPU"):
-        tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--cuda-graphs", "on"]), env={})
+        runtime_for(tg.parse_args(["--smoke", "--device", "cpu", "--cuda-graphs", "on"]))
     # where CUDA is visible (faked: resolve_runtime only asks whether it is; plain kernels need no GPU check)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    on_cuda = lambda *flags, world="1": tg.resolve_runtime(tg.parse_args(["--kernels", "plain", *flags]),
-                                                          env=torchrun_env(world, 0))
+    on_cuda = lambda *flags, world="1": runtime_for(tg.parse_args(["--kernels", "plain", *flags]),
+                                                   **torchrun_env(world, 0))
     assert all(on_cuda(world=w).cuda_graphs is True for w in ("1", "2", "4", "8"))
     assert on_cuda("--compile", "off").cuda_graphs is False  # graphs of eager kernels: no
     assert on_cuda("--cuda-graphs", "off").cuda_graphs is False
@@ -301,10 +302,11 @@ def micro_batches_of(model, plan, graphs=None):
             if graphs is None:
                 losses.append(forward_backward(*batch, 1, 3, micro_batches))
             else:
-                graphs.run(batch, 1, 3, micro_batches, forward_backward)
-                losses.append(graphs.loss.clone())
+                loss = graphs.run(batch, 1, 3, micro_batches, forward_backward)
+                assert loss is graphs.loss  # the graphs' loss buffer, returned
+                losses.append(loss.clone())
         grads.append(model.w.grad.clone())
-        model.zero_grad(set_to_none=True)  # as optimizer_step leaves them
+        model.zero_grad(set_to_none=True)  # as train_step leaves them
     return losses, grads
 
 
@@ -314,7 +316,7 @@ def batches(n: int, seed: int) -> list:
 
 
 @pytest.mark.parametrize("graph", [RerunGraph, DeferredGraph], ids=["capture-runs", "capture-records"])
-def test_each_keys_first_micro_batch_is_captured_the_later_ones_replay_and_each_runs_once(graph):
+def test_each_keys_first_micro_batch_is_captured_the_later_ones_replay_and_each_runs_once(graph, monkeypatch):
     model, events = GainModel(), []
 
     class Watched(graph):
@@ -327,7 +329,7 @@ def test_each_keys_first_micro_batch_is_captured_the_later_ones_replay_and_each_
             super().replay()
 
     graphs = GainKeyedGraphs(model, tg.DistAdam(list(model.parameters())))
-    graphs.Graph = Watched
+    monkeypatch.setattr(tg, "CudaGraph", Watched)
     micro_batches_of(model, [(1.0, 2, batches(2, 6)), (0.5, 2, batches(2, 7)), (1.0, 1, batches(1, 8))], graphs)
     if graph is RerunGraph:  # the capture did the micro-batch's work: no replay of it
         assert events == ["capture", "run", "replay", "run", "capture", "run", "replay", "run", "replay", "run"]
@@ -337,7 +339,8 @@ def test_each_keys_first_micro_batch_is_captured_the_later_ones_replay_and_each_
     assert graphs.captures == 2 and len(graphs.graphs) == 2
 
 
-def test_a_python_number_the_forward_reads_is_frozen_at_capture_unless_the_graph_key_holds_it():
+def test_a_python_number_the_forward_reads_is_frozen_at_capture_unless_the_graph_key_holds_it(monkeypatch):
+    monkeypatch.setattr(tg, "CudaGraph", TracedGraph)
     model = GainModel()
     adam = tg.DistAdam(list(model.parameters()))
     plan = [(1.0, 2, batches(2, 1)), (0.5, 2, batches(2, 2))]  # the gain changes between steps
@@ -345,7 +348,6 @@ def test_a_python_number_the_forward_reads_is_frozen_at_capture_unless_the_graph
     at_capture = micro_batches_of(model, [(1.0, m, b) for _, m, b in plan])  # eagerly, the gain never changed
 
     frozen = tg.MicroBatchGraphs(model, adam)
-    frozen.Graph = TracedGraph
     losses, grads = micro_batches_of(model, plan, frozen)
     assert frozen.captures == 1 and frozen.replays == 3
     # the first step matches eager (new batches reach the replays through the graph's copies) ...
@@ -357,20 +359,19 @@ def test_a_python_number_the_forward_reads_is_frozen_at_capture_unless_the_graph
     assert all(torch.equal(a, b) for a, b in zip(losses, at_capture[0])) and torch.equal(grads[1], at_capture[1][1])
 
     keyed = GainKeyedGraphs(model, adam)
-    keyed.Graph = TracedGraph
     losses, grads = micro_batches_of(model, plan, keyed)
     assert keyed.captures == 2 and keyed.replays == 2  # one graph per gain
     assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses))
     assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
 
 
-def test_a_value_the_graphs_read_from_a_tensor_reaches_every_replay():
+def test_a_value_the_graphs_read_from_a_tensor_reaches_every_replay(monkeypatch):
     """The loss's divisor (micro-batches per step) changes without a new key: the graphs read it from a tensor."""
+    monkeypatch.setattr(tg, "CudaGraph", TracedGraph)
     model = GainModel()
     plan = [(1.0, 2, batches(2, 3)), (1.0, 4, batches(4, 4)), (1.0, 1, batches(1, 5))]
     eager_losses, eager_grads = micro_batches_of(model, plan)
     graphs = tg.MicroBatchGraphs(model, tg.DistAdam(list(model.parameters())))
-    graphs.Graph = TracedGraph
     losses, grads = micro_batches_of(model, plan, graphs)
     assert graphs.captures == 1 and graphs.replays == 6
     assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses))
@@ -390,7 +391,7 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data, one_micro_batch=F
     args = tg.parse_args(["--smoke", "--device", "cpu", "--compile", "off", "--seed", "0", "--model-dim", "64",
                           "--num-heads", "1", "--train-bs-schedule", "128,256,384", "--train-bs-extension", "384",
                           "--train-max-seq-len", "128", "--data-path", str(data)])
-    runtime = tg.resolve_runtime(args, env=torchrun_env(world_size, rank))
+    runtime = runtime_for(args, **torchrun_env(world_size, rank))
     batch_size = tg.stages(args)[0].batch_size
     if one_micro_batch:
         batch_size //= runtime.grad_accum_steps
@@ -412,7 +413,7 @@ def _graphs_against_eager_on_two_ranks(rank, world_size, data, one_micro_batch=F
     eager, eager_losses = six_steps(None)
     from_the_start(trainer, initial)
     graphs = tg.MicroBatchGraphs(model, adam, muon.grad_buffers, writes_first=one_micro_batch)
-    graphs.Graph = RerunGraph
+    tg.CudaGraph = RerunGraph  # this rank's process only
     replayed = []
     real_replayed = adam.reduce_scatters_replayed
     adam.reduce_scatters_replayed = lambda params: (replayed.append(len(params)), real_replayed(params))

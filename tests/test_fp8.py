@@ -234,12 +234,11 @@ def plain_e5m2_gradient(logits, targets, grad):
     return tg.quantize_e5m2(g.bfloat16(), tg.FP8_GRAD_SCALE)
 
 
-def test_fused_head_launches_both_triton_passes_with_fast_math_and_gives_the_plain_heads_loss_and_gradients(
-        monkeypatch):
+def test_fused_head_launches_both_triton_passes_and_gives_the_plain_heads_loss_and_gradients(monkeypatch):
     """The fused head's plumbing on the CPU, with the two Triton launches stood in by the plain head's own numbers:
-    the forward and backward launches get fast math, the backward bf16 rounding, e5m2 output and FP8_GRAD_SCALE;
-    given the bytes the plain head quantises (pinned against plain_e5m2_gradient), FusedLMHeadLoss returns the
-    plain lm_head_loss's loss and, through the same FP8 GEMMs, its gradients bit for bit."""
+    the backward launch gets the upstream gradient, FP8_GRAD_SCALE and uint8 buffers for the e5m2 bytes in both
+    layouts; given the bytes the plain head quantises (pinned against plain_e5m2_gradient), FusedLMHeadLoss returns
+    the plain lm_head_loss's loss and, through the same FP8 GEMMs, its gradients bit for bit."""
     x, w, targets = _head_inputs(8)
     quantised = []
     real_quantize_e5m2 = tg.quantize_e5m2
@@ -254,14 +253,14 @@ def test_fused_head_launches_both_triton_passes_with_fast_math_and_gives_the_pla
     assert torch.equal(quantised[0].view(torch.uint8), expected.view(torch.uint8))
     seen = []
 
-    def forward_launch(logits, targets, lse, per_token, fast_math):
-        seen.append(("forward", fast_math))
+    def forward_launch(logits, targets, lse, per_token):
+        seen.append(("forward", lse.dtype, per_token.dtype, tuple(lse.shape)))
         z = tg.softcap(logits.float())
         lse.copy_(torch.logsumexp(z, dim=-1))
         per_token.copy_(F.cross_entropy(z, targets, reduction="none"))
 
-    def backward_launch(logits, lse, targets, grad, out, out_t, grad_s, round_bf16, fp8, fast_math):
-        seen.append(("backward", grad.item(), grad_s, round_bf16, fp8, fast_math, out.dtype, tuple(out_t.shape)))
+    def backward_launch(logits, lse, targets, grad, out, out_t, grad_s):
+        seen.append(("backward", grad.item(), grad_s, out.dtype, tuple(out_t.shape)))
         out.copy_(expected.view(torch.uint8))
         out_t.copy_(expected.view(torch.uint8).t())
 
@@ -269,7 +268,8 @@ def test_fused_head_launches_both_triton_passes_with_fast_math_and_gives_the_pla
     monkeypatch.setattr(tg, "launch_softcap_ce_backward", backward_launch)
     fused = tg.fused_lm_head_loss(x, w, targets, fp8=True)
     (fused / 4).backward()
-    assert seen == [("forward", True), ("backward", 0.25, tg.FP8_GRAD_SCALE, True, True, True, torch.uint8, (256, 64))]
+    assert seen == [("forward", torch.float32, torch.float32, (64,)),
+                    ("backward", 0.25, tg.FP8_GRAD_SCALE, torch.uint8, (256, 64))]
     assert fused.dtype == torch.float32 and fused.item() == pytest.approx(plain.item(), rel=1e-6)
     assert x.grad.dtype == w.grad.dtype == torch.bfloat16
     assert torch.equal(x.grad, plain_grads[0]) and torch.equal(w.grad, plain_grads[1])
@@ -325,46 +325,42 @@ for t, v, constants in [(128, 256, None), (100, 300, None), (1, 17, None), (130,
         tg.SOFTCAP, tg.SOFTCAP_WIDTH = constants
     logits, targets, ref_lse, _, ref_grad = ce_case(t, v)
     lse, grad = ref_lse.float(), torch.tensor(0.125)
-    for fast in (False, True):
-        o, o_t = torch.full((t, v), float("nan")), torch.full((v, t), float("nan"))
-        tg.launch_softcap_ce_backward(logits, lse, targets, grad, o, o_t, tg.FP8_GRAD_SCALE, round_bf16=False,
-                                      fp8=False, fast_math=fast)
-        q, q_t = torch.zeros(t, v, dtype=torch.uint8), torch.zeros(v, t, dtype=torch.uint8)
-        tg.launch_softcap_ce_backward(logits, lse, targets, grad, q, q_t, tg.FP8_GRAD_SCALE, round_bf16=False,
-                                      fp8=True, fast_math=fast)
-        dec = q.view(torch.float8_e5m2).double()
-        # torch's round-to-nearest-even cast of the kernel's own fp32 values is the GPU's answer. The interpreter's
-        # cast drops the carry when rounding overflows the 2-bit mantissa (1.9*2^e becomes 2^e, not 2^(e+1)), and
-        # truncates subnormals (|x| <= 2^-14) instead of rounding them: one 2^-16 step towards zero. Accept those.
-        expected = o.to(torch.float8_e5m2).double()
-        power_of_two = (expected != 0) & (torch.log2(expected.abs()) == torch.log2(expected.abs()).round())
-        dropped_carry = power_of_two & ((dec * 2 == expected) | ((expected.abs() == 2.0 ** -16) & (dec == 0)))
-        subnormal_trunc = ((expected.abs() <= 2.0 ** -14) & (dec.abs() <= expected.abs())
-                           & ((expected - dec).abs() <= 2.0 ** -16))
-        ref = ref_grad / tg.FP8_GRAD_SCALE
-        out.append(dict(shape=[t, v], constants=constants, fast=fast,
-                        rel_err=((o.double() - ref).norm() / ref.norm()).item(),
-                        transposed_equal=torch.equal(o_t, o.t().contiguous()), all_written=not o.isnan().any().item(),
-                        fp8_rounded_as_torch=bool(((dec == expected) | dropped_carry | subnormal_trunc).all()),
-                        fp8_exact_share=((dec == expected).double().mean().item()),
-                        fp8_transposed_equal=torch.equal(q_t, q.t().contiguous())))
+    # 0xFF is an e5m2 NaN, which the kernel never writes for finite inputs: a byte left so was not written
+    q, q_t = torch.full((t, v), 0xFF, dtype=torch.uint8), torch.full((v, t), 0xFF, dtype=torch.uint8)
+    tg.launch_softcap_ce_backward(logits, lse, targets, grad, q, q_t, tg.FP8_GRAD_SCALE)
+    dec = q.view(torch.float8_e5m2).double()
+    # the plain head's bytes for the same gradient: e5m2(bf16(autograd's gradient) / FP8_GRAD_SCALE). Compared as
+    # magnitudes (sign bit apart): the interpreter's casts to bf16 and e5m2 round towards zero where GPUs round to
+    # nearest, so a byte may sit one e5m2 step lower, or at half the power of two the rounding carried into (a
+    # dropped carry; at 2^-14, the smallest normal, that half is the subnormal two steps down)
+    expected = tg.quantize_e5m2(ref_grad.float().bfloat16(), tg.FP8_GRAD_SCALE)
+    k, e = q.int(), expected.view(torch.uint8).int()
+    kd, ed = dec.abs(), expected.double().abs()
+    step = (e & 0x7F) - (k & 0x7F)
+    same_sign = ((k & 0x80) == (e & 0x80)) | ((k & 0x7F) == 0) | ((e & 0x7F) == 0)
+    power_of_two = (ed > 0) & (torch.log2(ed) == torch.log2(ed).round())
+    explained = same_sign & ((step == 0) | (step == 1) | (power_of_two & (kd * 2 == ed)))
+    ref = ref_grad / tg.FP8_GRAD_SCALE
+    out.append(dict(shape=[t, v], constants=constants, all_written=not bool((q == 0xFF).any() or (q_t == 0xFF).any()),
+                    rel_err=((dec - ref).norm() / ref.norm()).item(),
+                    bytes_equal_share=(step == 0).double().mean().item(), bytes_explained=bool(explained.all()),
+                    transposed_equal=torch.equal(q_t, q.t().contiguous())))
 print(json.dumps(out))
 """
 
 
-def test_softcap_ce_backward_kernel_is_autograds_gradient_of_the_plain_loss_in_both_layouts(interpreter_runs):
-    """The fused Triton backward in the interpreter, exact and fast math (the interpreter's tanh is exact: tanh.approx
-    runs on GPUs only, tests/gpu bounds it): fp32 output against float64 autograd of the plain softcap and
-    cross-entropy, its transpose written exactly, every element written (NaN-poisoned buffers), ragged tiles masked,
-    e5m2 values as torch rounds them; also with a new SOFTCAP and SOFTCAP_WIDTH."""
+def test_softcap_ce_backward_kernel_writes_the_plain_heads_e5m2_gradient_bytes_in_both_layouts(interpreter_runs):
+    """The fused Triton backward in the interpreter (its fast math: the interpreter's tanh is exact, tanh.approx runs
+    on GPUs only, tests/gpu bounds it): its e5m2 bytes are the plain head's, e5m2(bf16(autograd's gradient of the
+    plain softcap and cross-entropy) / FP8_GRAD_SCALE), but where the interpreter's own casts round towards zero;
+    within e5m2's rounding of the float64 gradient; the transpose written exactly, every byte written, ragged tiles
+    masked; also with a new SOFTCAP and SOFTCAP_WIDTH."""
     rows = interpreted(interpreter_runs, "ce_backward")
-    assert len(rows) == 10 and {row["fast"] for row in rows} == {False, True}
-    assert [row["constants"] for row in rows[-2:]] == [[50.0, 10.0]] * 2
+    assert len(rows) == 5 and rows[-1]["constants"] == [50.0, 10.0]
     for row in rows:
-        assert row["rel_err"] < 1e-5, row
         assert row["transposed_equal"] and row["all_written"], row
-        assert row["fp8_rounded_as_torch"] and row["fp8_transposed_equal"], row
-        assert row["fp8_exact_share"] > 0.8, row
+        assert row["bytes_explained"] and row["bytes_equal_share"] > 0.8, row
+        assert row["rel_err"] < 0.1, row  # e5m2 keeps 2 mantissa bits: at most 12.5 % off an element, nearest
 
 
 CE_FORWARD_SCRIPT = CE_CASE + """
@@ -379,14 +375,13 @@ for t, v, tile, constants in cases:
     logits, targets, ref_lse, ref_per_token, _ = ce_case(t, v)
     if tile is not None:
         tg.CE_FORWARD_TILE = tile
-    for fast in (False, True):
-        lse, per_token = torch.full((t,), float("nan")), torch.full((t,), float("nan"))
-        tg.launch_softcap_ce_forward(logits, targets, lse, per_token, fast)
-        out.append(dict(shape=[t, v], tile=tile, constants=constants, fast=fast,
-                        all_written=not (lse.isnan().any() or per_token.isnan().any()).item(),
-                        lse_rel_err=((lse.double() - ref_lse).abs().max() / ref_lse.abs().max()).item(),
-                        loss_rel_err=((per_token.double() - ref_per_token).abs().max()
-                                      / ref_per_token.abs().max()).item()))
+    lse, per_token = torch.full((t,), float("nan")), torch.full((t,), float("nan"))
+    tg.launch_softcap_ce_forward(logits, targets, lse, per_token)
+    out.append(dict(shape=[t, v], tile=tile, constants=constants,
+                    all_written=not (lse.isnan().any() or per_token.isnan().any()).item(),
+                    lse_rel_err=((lse.double() - ref_lse).abs().max() / ref_lse.abs().max()).item(),
+                    loss_rel_err=((per_token.double() - ref_per_token).abs().max()
+                                  / ref_per_token.abs().max()).item()))
     loss, lse = torch.ops.speedrun.softcap_ce_forward(logits, targets)
     with FakeTensorMode() as mode:
         fake = torch.ops.speedrun.softcap_ce_forward(mode.from_tensor(logits), mode.from_tensor(targets))
@@ -398,16 +393,16 @@ print(json.dumps(out))
 """
 
 
-def test_fused_ce_forward_kernel_is_the_plain_softcapped_cross_entropy_for_ragged_tiles_and_both_maths(interpreter_runs):
-    """The forward's Triton pass in the interpreter: per-token log-sum-exp and loss against float64 of the plain
-    softcap and cross-entropy, several tiles (CE_FORWARD_TILE; V swept in chunks, ragged last rows and columns), every
-    row written (NaN-poisoned buffers), exact and fast math, also with a new SOFTCAP and SOFTCAP_WIDTH; the custom op
-    (always fast math) sums the per-token losses, and its fake reports the real shapes and dtypes."""
+def test_fused_ce_forward_kernel_is_the_plain_softcapped_cross_entropy_for_ragged_tiles(interpreter_runs):
+    """The forward's Triton pass in the interpreter (its fast math, with the interpreter's exact tanh): per-token
+    log-sum-exp and loss against float64 of the plain softcap and cross-entropy, several tiles (CE_FORWARD_TILE; V
+    swept in chunks, ragged last rows and columns), every row written (NaN-poisoned buffers), also with a new SOFTCAP
+    and SOFTCAP_WIDTH; the custom op sums the per-token losses, and its fake reports the real shapes and dtypes."""
     rows = interpreted(interpreter_runs, "ce_forward")
     kernel_rows = [row for row in rows if "lse_rel_err" in row]
     op_rows = [row for row in rows if "op_loss_rel_err" in row]
-    assert len(kernel_rows) == 10 and len(op_rows) == 5
-    assert [row["constants"] for row in kernel_rows[-2:]] == [[50.0, 10.0]] * 2
+    assert len(kernel_rows) == 5 and len(op_rows) == 5
+    assert kernel_rows[-1]["constants"] == [50.0, 10.0]
     for row in kernel_rows:
         assert row["all_written"], row
         assert row["lse_rel_err"] < 1e-6 and row["loss_rel_err"] < 1e-5, row

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
+from dist_utils import runtime_for
 from test_model import PLAIN, TRACEABLE, model_pair, pair_losses
 
 
@@ -175,11 +176,11 @@ def test_without_quack_installed_a_request_for_its_kernel_is_one_line_naming_the
 
 def test_run_config_names_the_kernels_flag_and_the_fused_kernels_in_use():
     args = tg.parse_args(["--device", "cpu", "--smoke"])
-    runtime = tg.resolve_runtime(args, env={})
+    runtime = runtime_for(args)
     assert runtime.kernels == PLAIN and runtime.fused == "none"
     assert " kernels=fused fused=none " in runtime.config_line(args)
     args = tg.parse_args(["--device", "cpu", "--smoke", "--kernels", "plain"])
-    assert " kernels=plain fused=none " in tg.resolve_runtime(args, env={}).config_line(args)
+    assert " kernels=plain fused=none " in runtime_for(args).config_line(args)
     fused = dataclasses.replace(runtime, kernels=dict(PLAIN, mlp=tg.fused_mlp,
                                                       attention_output=tg.fused_attention_output))
     assert fused.fused == "mlp,attention_output"

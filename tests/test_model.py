@@ -276,6 +276,60 @@ def test_layer_map(model):
     assert attn == [1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
     assert mlp == list(range(1, 12))
     assert len(model.value_embeds) == 3
+    assert model.layers == tg.layer_map(12)
+
+
+def test_the_layer_map_of_12_layers_is_the_records():
+    m = tg.layer_map(12)
+    assert m.num_layers == 12
+    assert m.no_attention == (0, 7) and m.no_mlp == (0,)
+    assert m.long_window == (4, 11)
+    assert dict(m.value_embeds) == {1: 1, 2: 2, 9: 0, 10: 1, 11: 2} and len(m.value_embeds) == 5
+    assert (m.skip_from, m.skip_to, m.backout_from) == (4, 7, 8)
+    assert m.skip_weight == 1  # the record's skip reads scalars[1]
+    assert m.num_scalars == 62
+    assert m.line() == ("layers: 12 blocks; no attention in [0, 7], no MLP in [0]; long window in [4, 11]; value "
+                        "embeddings 1<-1, 2<-2, 9<-0, 10<-1, 11<-2; skip 4 -> 7; backout from 8; 62 scalars")
+
+
+@pytest.mark.parametrize("layers", [11, 16])
+def test_other_layer_counts_build_from_their_layer_map_and_run_a_forward_on_the_cpu(layers):
+    args = dataclasses.replace(TINY, num_layers=layers)
+    m = make_model(max_seq_len=128, args=args)
+    lm = m.layers
+    assert lm == tg.layer_map(layers) and len(m.blocks) == layers
+    assert [i for i, b in enumerate(m.blocks) if b.attn is None] == list(lm.no_attention)
+    assert [i for i, b in enumerate(m.blocks) if b.mlp is None] == list(lm.no_mlp)
+    assert all(m.blocks[b].attn is not None for b, _ in lm.value_embeds)
+    assert m.scalars.shape == (lm.num_scalars,) == (5 * layers + 2,)
+    assert 1 <= lm.skip_from < lm.skip_to < layers and 1 <= lm.backout_from < layers
+    inputs, targets, cu = random_batch(128, seed=layers)
+    with torch.no_grad(), tg.bf16_gemms_in_fp32():
+        loss = m(inputs, targets, cu, 1, 3, 128)
+    assert loss.ndim == 0 and loss.item() == pytest.approx(128 * math.log(VOCAB_PADDED), rel=1e-5)  # lm_head is 0
+
+
+def test_fewer_than_9_layers_are_refused_at_parse_time_naming_layer_map():
+    tg.parse_args(["--num-layers", "9"])  # the rule's smallest count
+    with pytest.raises(tg.ConfigError) as e:
+        tg.parse_args(["--num-layers", "8"])
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("--num-layers 8: the layer map cannot work (")
+    assert "edit layer_map() (its rule covers 9 layers or more), or pick another --num-layers" in message
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (dict(long_window=(4, 7)), "long_window names block 7, which has no attention"),
+    (dict(value_embeds=((7, 0),)), "value_embeds gives block 7 table 0, but block 7 has no attention or table 0 "
+                                   "is not one of 0, 1, 2"),
+    (dict(skip_from=7, skip_to=4), "the skip 7 -> 4 and the backout from 8 must be blocks 1..11, the skip forward"),
+    (dict(no_mlp=(0, 12)), "no_mlp names block 12, not one of 0..11")])
+def test_a_layer_map_that_cannot_work_is_one_line_naming_its_problem_and_layer_map(edit, problem):
+    with pytest.raises(tg.ConfigError) as e:
+        dataclasses.replace(tg.layer_map(12), **edit).check()
+    assert str(e.value) == (f"--num-layers 12: the layer map cannot work ({problem}): edit layer_map() (its rule "
+                            "covers 9 layers or more), or pick another --num-layers")
 
 
 def test_parameter_table(model):
@@ -283,23 +337,26 @@ def test_parameter_table(model):
     V = VOCAB_PADDED
     rows = {}
     for name, p in model.named_parameters():
-        rows[name] = (tuple(p.shape), p.label, p.lr_mul, p.dtype)
+        rows[name] = (tuple(p.shape), p.label, p.treatment, p.lr_mul, p.dtype)
     expect = {
-        "embed.weight": ((V, d), "embed", 75.0, torch.bfloat16),
-        "smear_gate.weight": ((1, 12), "smear_gate", 1.0, torch.bfloat16),
-        "lm_head.weight": ((V, d), "lm_head", 1.0, torch.bfloat16),
-        "scalars": ((62,), "scalars", 5.0, torch.float32),
+        "embed.weight": ((V, d), "embed", "adam", 75.0, torch.bfloat16),
+        "smear_gate.weight": ((1, 12), "smear_gate", "gate", 1.0, torch.bfloat16),
+        "lm_head.weight": ((V, d), "lm_head", "adam", 1.0, torch.bfloat16),
+        "scalars": ((62,), "scalars", "adam", 5.0, torch.float32),
     }
     for k in range(3):
-        expect[f"value_embeds.{k}.weight"] = ((V, d), "value_embed", 75.0, torch.bfloat16)
+        expect[f"value_embeds.{k}.weight"] = ((V, d), "value_embed", "adam", 75.0, torch.bfloat16)
     for i in range(12):
         if i not in (0, 7):
-            expect[f"blocks.{i}.attn.qkvo_w"] = ((4 * d, d), "attn", 1.0, torch.float32)
-            expect[f"blocks.{i}.attn.attn_gate.weight"] = ((SMOKE.num_heads, 12), "attn_gate", 1.0, torch.bfloat16)
+            expect[f"blocks.{i}.attn.qkvo_w"] = ((4 * d, d), "attn", "qkvo", 1.0, torch.float32)
+            expect[f"blocks.{i}.attn.attn_gate.weight"] = ((SMOKE.num_heads, 12), "attn_gate", "gate", 1.0,
+                                                           torch.bfloat16)
         if i != 0:
-            expect[f"blocks.{i}.mlp.c_fc"] = ((4 * d, d), "mlp", 1.0, torch.float32)
-            expect[f"blocks.{i}.mlp.c_proj"] = ((4 * d, d), "mlp", 2.0, torch.float32)
+            expect[f"blocks.{i}.mlp.c_fc"] = ((4 * d, d), "mlp", "matrix", 1.0, torch.float32)
+            expect[f"blocks.{i}.mlp.c_proj"] = ((4 * d, d), "mlp", "matrix", 2.0, torch.float32)
     assert rows == expect
+    assert tg.GATE_INPUTS == 12
+    tg.check_optimizer_labels(model)  # the record's labels work at 1, 2, 4 and 8 processes
 
 
 def test_parameter_table_full_size_counts():

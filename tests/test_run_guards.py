@@ -371,7 +371,7 @@ def test_a_config_error_from_the_model_or_optimizer_build_leaves_no_log(main, da
 
     monkeypatch.setattr(tg.GPT, "__init__", with_a_stray_parameter)
     refused(main(tiny_args(data, tmp_path / "logs", "--run-id", "stray")), "parameter stray", "no optimizer label",
-            "set_optimizer_label")
+            "set_optimizer_label(p, LABEL, TREATMENT)", *(f"{t} (" for t in tg.TREATMENTS))
     assert not (tmp_path / "logs").exists()
 
 

@@ -81,11 +81,14 @@ def test_log_header(smoke_run):
     for item in ("world_size=2", "grad_accum_steps=4", "device=cpu", "kernels=fused", "fused=none",
                  "orthogonalizer=polar", "fp8=0", "cuda_graphs=0", "smoke=1", "num_iterations=33"):
         assert item in lines[4].split(), item
+    assert lines[5] == ("layers: 12 blocks; no attention in [0, 7], no MLP in [0]; long window in [4, 11]; value "
+                        "embeddings 1<-1, 2<-2, 9<-0, 10<-1, 11<-2; skip 4 -> 7; backout from 8; 62 scalars")
+    assert lines[6] == "kernels: no fused kernel runs on the cpu: the plain functions, as --kernels plain"
     if shutil.which("nvidia-smi") is None:
-        assert lines[5] == "nvidia-smi: not available"
-        nxt = 6
+        assert lines[7] == "nvidia-smi: not available"
+        nxt = 8
     else:
-        nxt = lines.index("", 5)
+        nxt = lines.index("", 7)
     assert lines[nxt] == ""
     assert lines[nxt + 1] == SEP
     assert lines[nxt + 2].startswith("Kernel warm-up done in ")

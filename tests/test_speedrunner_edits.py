@@ -5,6 +5,7 @@ while the fused path runs them or refuses them with that message."""
 import dataclasses
 import importlib.util
 import math
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import train_gpt as tg
+from dist_utils import runtime_for
 from proxy_shards import build_shards
 from test_cli_and_errors import main, refused  # noqa: F401  (main: a fixture)
 
@@ -46,7 +48,7 @@ def tiny_args(data, tmp_path, *flags):
 def build(args):
     """The trainer run() builds, with one micro-batch a step (as on 8 GPUs): the same train_step, an eighth of the
     CPU time."""
-    runtime = dataclasses.replace(tg.resolve_runtime(args, env={}), grad_accum_steps=1)
+    runtime = dataclasses.replace(runtime_for(args), grad_accum_steps=1)
     return tg.build_trainer(args, runtime, tg.log_path(args, args.run_id))
 
 
@@ -87,17 +89,20 @@ def assert_trains(trainer, steps=2):
 # --kernels: the plain functions, their fused twins, and the fingerprints that tie them
 # ----------------------------------------------------------------------------------------------------
 
-def test_on_the_cpu_kernels_fused_runs_every_plain_function_without_a_note():
-    assert tg.resolve_kernels("fused", "cpu", fp8=False) == (PLAIN, [])
+CPU_NOTE = "kernels: no fused kernel runs on the cpu: the plain functions, as --kernels plain"
+
+
+def test_on_the_cpu_kernels_fused_runs_every_plain_function_with_one_note_and_plain_with_none():
+    assert tg.resolve_kernels("fused", "cpu", fp8=False) == (PLAIN, [CPU_NOTE])
     assert tg.resolve_kernels("plain", "cpu", fp8=False) == (PLAIN, [])
-    runtime = tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu"]), env={})
-    assert runtime.kernels == PLAIN and runtime.kernel_notes == () and runtime.fused == "none"
+    runtime = runtime_for(tg.parse_args(["--smoke", "--device", "cpu"]))
+    assert runtime.kernels == PLAIN and runtime.kernel_notes == (CPU_NOTE,) and runtime.fused == "none"
 
 
 @pytest.mark.parametrize("name", list(tg.FUSED_KERNELS))
 def test_a_listed_fused_kernel_that_cannot_run_here_is_a_one_line_error_naming_it(name):
     with pytest.raises(tg.ConfigError) as e:
-        tg.resolve_runtime(tg.parse_args(["--smoke", "--device", "cpu", "--kernels", name]), env={})
+        runtime_for(tg.parse_args(["--smoke", "--device", "cpu", "--kernels", name]))
     message = str(e.value)
     assert "\n" not in message
     assert message.startswith(f"--kernels: the fused {name} kernel cannot run here (RuntimeError: it needs a CUDA GPU)")
@@ -162,19 +167,35 @@ def test_a_comment_docstring_or_layout_edit_keeps_the_fingerprint_and_a_code_edi
 
 
 @pytest.mark.parametrize("name", list(tg.FUSED_KERNELS))
-def test_an_edited_plain_function_makes_fused_and_a_list_naming_it_refuse_with_the_kernels_plain_message(
-        monkeypatch, name):
+def test_an_edited_plain_function_makes_fused_and_a_list_naming_it_refuse_where_the_kernel_would_run(monkeypatch,
+                                                                                                     name):
+    """Where the fused kernel runs (a GPU that passes its check, faked), fused and a list naming it refuse the edit
+    with the --kernels plain message; where it cannot run, the edit is no reason to refuse: fused takes the plain
+    functions (on the CPU with its one note, on a GPU with the kernel's), a list naming it says it cannot run here."""
     kernel = tg.FUSED_KERNELS[name]
-    monkeypatch.setitem(tg.FUSED_KERNELS, name, dataclasses.replace(kernel, fingerprint="000000000000"))
+    monkeypatch.setitem(tg.FUSED_KERNELS, name, dataclasses.replace(kernel, fingerprint="000000000000",
+                                                                    check_here=lambda fp8: None))
     edited = ", ".join(fn.__name__ for fn in kernel.follows)
     for requested in ("fused", name):
-        for device in ("cpu", "cuda"):  # checked before anything about this machine
-            with pytest.raises(tg.ConfigError) as e:
-                tg.resolve_kernels(requested, device, fp8=True)
-            message = str(e.value)
-            assert "\n" not in message
-            assert message.startswith(f"the fused {name} kernel computes {edited} as written when it was made, and "
-                                      f"that code has changed: run with --kernels plain"), message
+        with pytest.raises(tg.ConfigError) as e:
+            tg.resolve_kernels(requested, "cuda", fp8=True)
+        message = str(e.value)
+        assert "\n" not in message
+        assert message.startswith(f"the fused {name} kernel computes {edited} as written when it was made, and "
+                                  f"that code has changed: run with --kernels plain (or leave {name} out of "
+                                  f"--kernels), or update the fused kernel and FUSED_KERNELS['{name}'].fingerprint"), \
+            message
+    assert tg.resolve_kernels("fused", "cpu", fp8=True) == (PLAIN, [CPU_NOTE])
+    with pytest.raises(tg.ConfigError, match=f"the fused {name} kernel cannot run here \\(RuntimeError: it needs a "
+                                             "CUDA GPU\\)"):
+        tg.resolve_kernels(name, "cpu", fp8=True)
+
+    def cannot(fp8):
+        raise RuntimeError("not on this GPU")
+
+    monkeypatch.setitem(tg.FUSED_KERNELS, name, dataclasses.replace(tg.FUSED_KERNELS[name], check_here=cannot))
+    chosen, notes = tg.resolve_kernels("fused", "cuda", fp8=True)
+    assert chosen[name] is kernel.plain and f"kernels: plain {name} (not on this GPU)" in notes
     assert tg.resolve_kernels("plain", "cpu", fp8=False) == (PLAIN, [])
     others = [n for n in tg.FUSED_KERNELS if n != name]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -220,11 +241,16 @@ def edited_mlp(monkeypatch):
     monkeypatch.setitem(tg.FUSED_KERNELS, "mlp", dataclasses.replace(kernel, plain=gelu_mlp, follows=(gelu_mlp,)))
 
 
-def test_a_new_mlp_activation_trains_with_kernels_plain_and_fused_refuses_it(edited_mlp, data, tmp_path):
+def test_a_new_mlp_activation_trains_with_the_plain_functions_and_fused_refuses_it_where_it_would_run(
+        edited_mlp, data, tmp_path, monkeypatch):
+    for n, k in tg.FUSED_KERNELS.items():  # a GPU that runs every fused kernel (faked)
+        monkeypatch.setitem(tg.FUSED_KERNELS, n, dataclasses.replace(k, check_here=lambda fp8: None))
     for requested in ("fused", "mlp,lm_head_loss"):
         with pytest.raises(tg.ConfigError, match=r"the fused mlp kernel computes gelu_mlp as written when it was made, "
                                                  r"and that code has changed: run with --kernels plain"):
-            tg.resolve_runtime(tiny_args(data, tmp_path, "--kernels", requested), env={})
+            tg.resolve_kernels(requested, "cuda", fp8=True)
+    runtime = runtime_for(tiny_args(data, tmp_path))  # --kernels fused on the CPU: the plain functions, the edit too
+    assert runtime.kernels["mlp"] is gelu_mlp and runtime.kernel_notes == (CPU_NOTE,)
     trainer = build(tiny_args(data, tmp_path, "--kernels", "plain"))
     assert trainer.model.kernels["mlp"] is gelu_mlp
     outputs = []
@@ -246,61 +272,85 @@ def test_a_new_mlp_activation_trains_with_kernels_plain_and_fused_refuses_it(edi
 # ----------------------------------------------------------------------------------------------------
 
 class InputGatedAttention(tg.CausalSelfAttention):
-    """A speedrunner's new gate: a sigmoid per head and token, read off the first 12 channels of the block input as
-    attn_gate is, scaling that head's slice of the attention's input. `label` is what the edit passes to
-    set_optimizer_label (None: it forgot to)."""
-    label = None
+    """A speedrunner's new gate: a sigmoid per head and token, read off the block input's first GATE_INPUTS channels
+    as attn_gate is, scaling that head's slice of the attention's input. `label` and `treatment` are what the edit
+    passes to set_optimizer_label (label None: it forgot to)."""
+    label, treatment = None, "gate"
 
     def __init__(self, dim, num_heads, head_dim):
         super().__init__(dim, num_heads, head_dim)
-        self.input_gate = nn.Linear(12, num_heads, bias=False)
+        self.input_gate = nn.Linear(tg.GATE_INPUTS, num_heads, bias=False)
         nn.init.zeros_(self.input_gate.weight)
         if self.label is not None:
-            tg.set_optimizer_label(self.input_gate.weight, self.label)
+            tg.set_optimizer_label(self.input_gate.weight, self.label, self.treatment)
 
     def forward(self, x, *rest):
         T = x.size(0)
-        gate = 2 * torch.sigmoid(F.linear(x[:, :12], self.input_gate.weight))  # (T, heads): 1 at initialisation
+        gate = 2 * torch.sigmoid(F.linear(tg.gate_input(x), self.input_gate.weight))  # (T, heads): 1 at init
         return super().forward((x.view(T, self.num_heads, -1) * gate.unsqueeze(-1)).view(T, -1), *rest)
 
 
-def with_gate(monkeypatch, label):
-    monkeypatch.setattr(tg, "CausalSelfAttention", type("Edited", (InputGatedAttention,), dict(label=label)))
+def with_gate(monkeypatch, label, treatment="gate"):
+    monkeypatch.setattr(tg, "CausalSelfAttention",
+                        type("Edited", (InputGatedAttention,), dict(label=label, treatment=treatment)))
 
 
-def test_a_new_parameter_without_an_optimizer_label_is_an_error_naming_the_tables(monkeypatch, data, tmp_path):
+def test_a_new_parameter_without_an_optimizer_label_is_one_line_naming_it_and_every_treatment(monkeypatch, data,
+                                                                                             tmp_path):
     with_gate(monkeypatch, None)
     args = tiny_args(data, tmp_path)
     with pytest.raises(tg.ConfigError) as e:
         build(args)
     message = str(e.value)
     assert "\n" not in message
-    assert message.startswith("parameter blocks.1.attn.input_gate.weight has no optimizer label, which no optimizer "
-                              "takes: give it one with set_optimizer_label(), from NORMUON_LABEL_ORDER")
-    assert "DISTADAM_LABEL_ORDER" in message and "add a new label to one of those tables" in message
+    assert message.startswith("parameter blocks.1.attn.input_gate.weight has no optimizer label: give it one where "
+                              "it is made, set_optimizer_label(p, LABEL, TREATMENT), LABEL naming its group and "
+                              "TREATMENT one of matrix (")
+    assert all(f"{treatment} ({what})" in message for treatment, what in tg.TREATMENTS.items())
     assert not tg.log_path(args, "edit").exists()  # a model that cannot be built writes no log
 
 
-def test_a_gate_named_parameter_with_a_label_that_is_not_a_gates_is_refused(monkeypatch, data, tmp_path):
-    with_gate(monkeypatch, "mlp")  # a NorMuon label, but one statistic per column for a wide (heads, 12) matrix
-    with pytest.raises(tg.ConfigError, match=r"parameter blocks\.1\.attn\.input_gate\.weight looks like a gate but "
-                                             r"its label 'mlp' is not in NORMUON_GATE_LABELS \('smear_gate', "
-                                             r"'attn_gate'\): add it there"):
-        build(tiny_args(data, tmp_path))
+@pytest.mark.parametrize("label,treatment,other", [("mlp", "gate", ("blocks.1.mlp.c_fc", "matrix")),
+                                                   ("attn_gate", "matrix", ("blocks.1.attn.attn_gate.weight", "gate"))])
+def test_a_new_gate_under_a_label_that_has_another_treatment_is_refused_naming_it(monkeypatch, data, tmp_path, label,
+                                                                                  treatment, other):
+    """A label is one group with one treatment: one line naming the gate and the first parameter met with the label
+    (in named_parameters' order) and their treatments, which asks for a label of its own; never to make the label's
+    other parameters gates, or the gates matrices. No log is written."""
+    with_gate(monkeypatch, label, treatment)
+    args = tiny_args(data, tmp_path)
+    with pytest.raises(tg.ConfigError) as e:
+        build(args)
+    message = str(e.value)
+    found = re.fullmatch(rf"parameter (\S+) has label '{label}' as (\w+), but (\S+) has it as (\w+): a label is one "
+                         r"group with one treatment; give one of them another label", message)
+    assert found, message
+    assert {found.group(1, 2), found.group(3, 4)} == {("blocks.1.attn.input_gate.weight", treatment), other}
+    assert "NORMUON_GATE_LABELS" not in message and "add it there" not in message
+    assert not tg.log_path(args, "edit").exists()
+
+
+def test_a_new_gate_declared_a_matrix_under_its_own_label_is_normalised_as_a_wide_matrix(monkeypatch, data, tmp_path):
+    """Its name says gate, but the treatment decides: one second moment per column of the wide (heads, 12) matrix."""
+    with_gate(monkeypatch, "input_gate", "matrix")
+    trainer = build(tiny_args(data, tmp_path))
+    plan = tg.optimizer_plan(trainer.model, 1)
+    assert plan["blocks.1.attn.input_gate.weight"] == ("NorMuon input_gate", "matrix, second moment per column")
+    assert plan["blocks.1.attn.attn_gate.weight"] == ("NorMuon attn_gate", "gate, second moment per row")
+    dims = {group["label"]: layout["reduce_dim"] for group, layout in zip(trainer.muon.param_groups,
+                                                                          trainer.muon._layout)}
+    assert dims["input_gate"] == -2 and dims["attn_gate"] == -1
 
 
 @pytest.mark.parametrize("label", ["attn_gate", "input_gate"])
 def test_a_labelled_new_gate_trains_and_normuon_logs_how_it_groups_the_matrices(monkeypatch, data, tmp_path, label):
-    """A gate labelled attn_gate, or with a new label added to NORMUON_LABEL_ORDER and NORMUON_GATE_LABELS, trains
-    with the default --kernels fused (the gate sits outside every fused kernel), one second moment per row; the
-    matrices now differ from the record's, and NorMuon's grouping note, in the log, says how they are grouped."""
-    if label == "input_gate":
-        monkeypatch.setattr(tg, "NORMUON_LABEL_ORDER", tg.NORMUON_LABEL_ORDER + ("input_gate",))
-        monkeypatch.setattr(tg, "NORMUON_GATE_LABELS", tg.NORMUON_GATE_LABELS + ("input_gate",))
+    """A gate labelled attn_gate, or under a new label of its own, treated as a gate, trains with the default
+    --kernels fused (the gate sits outside every fused kernel), one second moment per row; the matrices now differ
+    from the record's, and NorMuon's grouping note, in the log, says how they are grouped."""
     with_gate(monkeypatch, label)
     trainer = build(tiny_args(data, tmp_path))
     gates = [b.attn.input_gate.weight for b in trainer.model.blocks if b.attn is not None]
-    assert len(gates) == 10 and all(p.label == label for p in gates)
+    assert len(gates) == 10 and all(p.label == label and p.treatment == "gate" for p in gates)
     note = trainer.muon.grouping_note
     assert note.startswith("NorMuon: the matrices differ from the record's (")
     assert ("attn_gate 20" if label == "attn_gate" else "input_gate 10") in note  # the counts here
@@ -348,8 +398,8 @@ def test_turbo_muons_coefficients_are_polar_expresss_after_the_iterations_aol_re
     with pytest.raises(SystemExit):
         tg.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert (f"Polar Express ({len(tg.POLAR_EXPRESS_COEFFS)} steps) or Turbo-Muon (AOL-preconditioned, "
-            f"{len(tg.TURBO_MUON_COEFFS)} steps)") in text
+    assert (f"Polar Express ({len(tg.POLAR_EXPRESS_COEFFS)} steps) or Turbo-Muon ({len(tg.TURBO_MUON_COEFFS)})"
+            in text)
 
 
 def test_new_orthogonalizer_coefficients_reach_both_orthogonalizers_help_and_a_training_step(
@@ -368,7 +418,7 @@ def test_new_orthogonalizer_coefficients_reach_both_orthogonalizers_help_and_a_t
     with pytest.raises(SystemExit):
         tg.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "Polar Express (6 steps) or Turbo-Muon (AOL-preconditioned, 5 steps)" in help_text
+    assert "Polar Express (6 steps) or Turbo-Muon (5)" in help_text
     for orthogonalizer in ("polar", "turbo"):
         trainer = build(tiny_args(data, tmp_path, "--orthogonalizer", orthogonalizer, "--run-id", orthogonalizer))
         assert trainer.muon.turbo == (orthogonalizer == "turbo")

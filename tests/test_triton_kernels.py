@@ -32,6 +32,17 @@ SCRIPT = textwrap.dedent(r"""
              "ba_plus_cAA": dict(BLOCK_M=16, BLOCK_K=16, num_warps=1, num_stages=1),
              "ax_plus_bx": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=1, num_stages=1)}
     results = []
+    rule_config = tg.kernel_config
+
+    def tiles_over_the_rule(tiles):
+        # kernel_config with `tiles` laid over the rule's choice per kind (symmetric kernels keep BLOCK_N = BLOCK_M);
+        # the launchers look kernel_config up in train_gpt's namespace at every call
+        def config(kind, n, m, k, dtype):
+            cfg = dict(rule_config(kind, n, m, k, dtype), **tiles.get(kind, {}))
+            if kind != "ax_plus_bx":
+                cfg["BLOCK_N"] = cfg["BLOCK_M"]
+            return cfg
+        return config
 
     def poisoned(shape, dtype, pad=(3, 5)):
         # output view inside a larger NaN buffer: strided, and anything written out of bounds stays visible
@@ -56,7 +67,7 @@ SCRIPT = textwrap.dedent(r"""
         # small tiles (many blocks, ragged last ones) in fp32 only: the masks and the block walk do not depend on the
         # dtype, which the rule's tiles check in both (their last blocks are ragged too), at a fifth of the time
         for cfg_name, tiles in (("small", SMALL), ("rule", {})) if dtype == torch.float32 else (("rule", {}),):
-            tg.ORTHOGONALIZER_TILES = tiles  # kernel_config() reads its overrides from here
+            tg.kernel_config = tiles_over_the_rule(tiles)
             assert tg.kernel_config("ax_plus_bx", 2, 37, 70, dtype)["BLOCK_N"] == (32 if tiles else 64)
             # ---- xxt: batched, transposed view, 2-D, block-aligned (EVEN path) ----
             cases = {"b2_37x70": rnd(2, 37, 70, dtype=dtype), "mT_37x70": rnd(2, 70, 37, dtype=dtype).mT,
@@ -104,7 +115,7 @@ SCRIPT = textwrap.dedent(r"""
     # ---- the full iteration through the kernels (buffers, X/C swapping, turbo's fused first step) ----
     # with the tiles the rule picks: the small tiles' many blocks and ragged edges are checked kernel by kernel
     # above, and in the interpreter they cost 7x the time here
-    tg.ORTHOGONALIZER_TILES = {}
+    tg.kernel_config = rule_config
     for turbo in (False, True):
         for cname, G in (("wide_b2_40x72", rnd(2, 40, 72, dtype=torch.float32)),
                          ("tall_b2_72x40", rnd(2, 72, 40, dtype=torch.float32)),

@@ -32,24 +32,28 @@ def step_collectives(world: int) -> list:
     """[(op, what, dtype, bytes of the full tensor, launches per step)] of one training step at `world` ranks."""
     args = tg.Hyperparameters()
     with torch.device("meta"):
-        model = tg.GPT(args, max_seq_len=128, world_size=world)
+        model = tg.GPT(args, max_seq_len=128)
     by_label = {}
     for p in model.parameters():
         by_label.setdefault(p.label, []).append(p)
     out = []
-    normuon = [p for p in model.parameters() if p.label in tg.NORMUON_LABEL_ORDER]
+    normuon = [p for p in model.parameters() if p.treatment != "adam"]
     for name, ps in tg.normuon_groups(normuon, world)[0]:
         chunk = math.ceil(len(ps) / world)
         nbytes = chunk * world * ps[0].numel() * ps[0].element_size()
         for op in ("reduce_scatter", "all_gather"):
             out.append((op, f"NorMuon {name} ({len(ps)} x {'x'.join(map(str, ps[0].shape))})",
                         str(ps[0].dtype).removeprefix("torch."), nbytes, 1.0))
-    for label in tg.DISTADAM_LABEL_ORDER:
+    adam_labels = [lab for lab in by_label if by_label[lab][0].treatment == "adam"]
+    for label in sorted(adam_labels, key=lambda lab: (lab not in tg.DISTADAM_RECORD_ORDER,  # DistAdam's group order
+                                                      tg.DISTADAM_RECORD_ORDER.index(lab)
+                                                      if lab in tg.DISTADAM_RECORD_ORDER else 0)):
         for i, p in enumerate(by_label[label]):
-            for op in ("reduce_scatter", "all_gather"):
+            row = p.numel() // max(p.shape[0], 1) if p.dim() else 1
+            for op in ("reduce_scatter", "all_gather"):  # on DistAdam's buffers: padded to W x rows_per_rank rows
                 out.append((op, f"DistAdam {label}{i if len(by_label[label]) > 1 else ''} "
                                 f"({'x'.join(map(str, p.shape))})", str(p.dtype).removeprefix("torch."),
-                            p.numel() * p.element_size(), 0.5))
+                            tg.rows_per_rank(p, world) * world * row * p.element_size(), 0.5))
     return out
 
 

@@ -600,7 +600,7 @@ def test_polar_express_and_turbo_muon_match_their_float64_iteration_and_the_pola
     row = gpu_results[f"orthogonalizer {stack}"] = dict(triton_path=triton_path)
     for mode, turbo in (("polar", False), ("turbo", True)):
         out = polar_express(G, turbo=turbo)
-        iteration = polar_express_reference(G, turbo=turbo, dtype=torch.float64)
+        iteration = polar_express_reference(G.double(), turbo=turbo)  # a float64 G: the float64 iteration
         sv = torch.linalg.svdvals(out.double())
         row[mode] = dict(dtype=str(out.dtype), rel_err_vs_float64_iteration=rel(out, iteration),
                          polar_rel_err=rel(out, polar), sv_min=sv.min().item(), sv_max=sv.max().item(),
