@@ -201,8 +201,8 @@ class Hyperparameters:
     muon_lr: float = setting(0.023, "NorMuon lr for the hidden matrices and gates", NONNEGATIVE)
     muon_weight_decay: float = setting(1.2, "NorMuon cautious weight decay (x the lr)", NONNEGATIVE)
     muon_beta2: float = setting(0.95, "NorMuon second-moment decay", BELOW_ONE)
-    orthogonalizer: str = setting("polar", lambda: f"NorMuon's: Polar Express ({len(POLAR_EXPRESS_COEFFS)} steps) or "
-                                  f"Turbo-Muon ({len(TURBO_MUON_COEFFS)})", choices=("polar", "turbo"))
+    orthogonalizer: str = setting("polar", lambda: f"Polar Express ({len(POLAR_EXPRESS_COEFFS)} steps) or Turbo-Muon "
+                                  f"({len(TURBO_MUON_COEFFS)}), for NorMuon", choices=("polar", "turbo"))
     # run
     val_loss_every: int = setting(250, "validate every N steps; 0: only at the end", NONNEGATIVE)
     save_checkpoint: bool = setting(False, "save model and optimizer states at the end")
@@ -1603,7 +1603,7 @@ class DistAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         distributed = self.world_size > 1
-        gathers = []
+        gathers, stepped = [], []
         for group in self.param_groups:
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             for p in group["params"]:
@@ -1622,6 +1622,7 @@ class DistAdam(torch.optim.Optimizer):
                 rows = self._rows(p)
                 if p in self._padded:  # the padded copy: the param's current value first
                     rows[:as_rows(p).shape[0]].copy_(as_rows(p))
+                    stepped.append(p)
                 lo, hi = self._slice_rows(p)
                 p_slice = rows[lo:hi]
                 lr_p = lr * float(getattr(p, "lr_mul", 1.0))
@@ -1638,7 +1639,8 @@ class DistAdam(torch.optim.Optimizer):
                     gathers.append(all_gather(rows, p_slice, async_op=True))
         for work in gathers:
             work.wait()
-        for p, (_, rows) in self._padded.items():  # the gathered rows back, without the padding
+        for p in stepped:  # their gathered rows back, without the padding
+            rows = self._padded[p][1]
             as_rows(p).copy_(rows[:as_rows(p).shape[0]])
         self._pending.clear()
 
@@ -2863,11 +2865,13 @@ class BatchStream:
 def check_optimizer_labels(model: nn.Module, world_sizes=(1, 2, 4, 8)) -> None:
     """Every parameter's label and treatment (set_optimizer_label) can work, at each world size: one ConfigError
     naming the parameter otherwise."""
+    names = {id(p): n for n, p in model.named_parameters()}
     seen = {}  # label -> (treatment, the first parameter with it)
     for name, p in model.named_parameters():
         label, treatment = getattr(p, "label", None), getattr(p, "treatment", None)
-        if label is None:
-            raise ConfigError(f"parameter {name} has no optimizer label: give it one where it is made, "
+        if label is None or treatment not in TREATMENTS:
+            missing = "no optimizer label" if label is None else f"label {label!r} but no treatment"
+            raise ConfigError(f"parameter {name} has {missing}: give it both where it is made, "
                               "set_optimizer_label(p, LABEL, TREATMENT), LABEL naming its group and TREATMENT one of "
                               + "; ".join(f"{k} ({v})" for k, v in TREATMENTS.items()))
         if seen.setdefault(label, (treatment, name))[0] != treatment:
@@ -2880,15 +2884,15 @@ def check_optimizer_labels(model: nn.Module, world_sizes=(1, 2, 4, 8)) -> None:
             raise ConfigError(f"parameter {name} is treated as qkvo, but its shape {tuple(p.shape)} is not (4d, d), "
                               "Q, K, V and O stacked")
     matrices = [p for p in model.parameters() if p.treatment != "adam"]
-    names = {id(p): n for n, p in model.named_parameters()}
     for world_size in world_sizes:
         for group, ps in normuon_groups(matrices, world_size)[0]:
             chunk = -(-len(ps) // world_size)
             for r in range(world_size):
                 shard = ps[r * chunk:(r + 1) * chunk]
                 if len({p.treatment for p in shard}) > 1 and any(p.treatment == "qkvo" for p in shard):
+                    qkvo = next(p for p in shard if p.treatment == "qkvo")
                     raise ConfigError(f"on {world_size} processes, NorMuon's rank {r} would stack parameter "
-                                      f"{names[id(shard[0])]} (qkvo) with matrices of another treatment in group "
+                                      f"{names[id(qkvo)]} (qkvo) with matrices of another treatment in group "
                                       f"{group}: give them labels of their own")
 
 def optimizer_plan(model: nn.Module, world_size: int) -> dict:

@@ -399,9 +399,12 @@ def check_cuda_graphs(trainer, args) -> dict:
                             for p in group["params"]:
                                 p.grad = torch.zeros_like(p)
                     # an odd step: with several processes its last micro-batch launches Adam's reduce-scatters
-                    losses[name] = trainer.accumulate_gradients(1, trainer.new_batches(stage.batch_size), None,
-                                                                stage.ws_short, stage.ws_long,
-                                                                trainer.runtime.grad_accum_steps)
+                    batches, n = trainer.new_batches(stage.batch_size), trainer.runtime.grad_accum_steps
+                    losses[name] = []
+                    for micro in range(n):
+                        trainer.adam.should_sync = micro == n - 1
+                        losses[name].append(trainer.micro_batch(batches.get(), stage.ws_short, stage.ws_long,
+                                                                n).clone())
                     trainer.adam.should_sync = False
                     averaged = [trainer.adam._grad_slices[p] for p in trainer.adam.join_reduce_scatters()]
                     trainer.adam._pending.clear()  # no optimizer step follows

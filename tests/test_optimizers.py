@@ -608,21 +608,18 @@ def test_a_parameter_without_a_label_is_one_line_naming_it_and_every_treatment(s
         tg.build_optimizers(model, small_gpt_args)
     message = str(e.value)
     assert "\n" not in message
-    assert message.startswith("parameter stray has no optimizer label: give it one where it is made, "
+    assert message.startswith("parameter stray has no optimizer label: give it both where it is made, "
                               "set_optimizer_label(p, LABEL, TREATMENT)")
     for treatment, what in tg.TREATMENTS.items():
         assert f"{treatment} ({what})" in message, treatment
     assert set(tg.TREATMENTS) == {"matrix", "qkvo", "gate", "adam"}
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="train_gpt.py bug: check_optimizer_labels reads p.treatment of a parameter that has a label "
-                          "set by hand but no treatment, an AttributeError instead of a one-line ConfigError")
 def test_a_parameter_with_a_label_but_no_treatment_is_one_line_naming_it(small_gpt_args):
     model = tg.GPT(small_gpt_args, max_seq_len=64)
     model.stray = nn.Parameter(torch.zeros(4, 4))
     model.stray.label = "bias"  # set by hand, not with set_optimizer_label
-    with pytest.raises(tg.ConfigError, match="^parameter stray "):
+    with pytest.raises(tg.ConfigError, match="^parameter stray has label 'bias' but no treatment: give it both "):
         tg.check_optimizer_labels(model)
 
 

@@ -303,7 +303,7 @@ def test_a_new_parameter_without_an_optimizer_label_is_one_line_naming_it_and_ev
         build(args)
     message = str(e.value)
     assert "\n" not in message
-    assert message.startswith("parameter blocks.1.attn.input_gate.weight has no optimizer label: give it one where "
+    assert message.startswith("parameter blocks.1.attn.input_gate.weight has no optimizer label: give it both where "
                               "it is made, set_optimizer_label(p, LABEL, TREATMENT), LABEL naming its group and "
                               "TREATMENT one of matrix (")
     assert all(f"{treatment} ({what})" in message for treatment, what in tg.TREATMENTS.items())

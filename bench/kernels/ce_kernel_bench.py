@@ -4,13 +4,12 @@
 
 The unfused path is the plain head's (--kernels plain): autograd's gradient of F.cross_entropy on the softcapped
 logits, compiled by Inductor, its e5m2 cast, then the tiled transpose_bytes kernel. Every fused variant must produce
-the same e5m2 bytes as that formula (up to a handful of last-bit flips, share reported) and a
-transpose that is exactly the transposed (T, V) output. Every tile also runs with fast math, the trainer's math
-(rows "BT,BV,W,fast"): their bytes differ where tanh.approx moves a value across an e5m2 rounding boundary; rel_diff is the
-gradient's relative difference from the reference formula, and `best with fast math` the fastest of those rows.
+the same e5m2 bytes as that formula but where the trainer's fast math (tanh.approx) moves a value across an e5m2
+rounding boundary (share reported), and a transpose that is exactly the transposed (T, V) output; rel_diff is the
+gradient's relative difference from the reference formula.
 
 Then the forward (the log-sum-exp pass): Inductor's compile of the plain head's loss and log-sum-exp,
-against the fused head's Triton pass at several tiles, exact and fast math; each fused row reports its largest
+against the fused head's Triton pass at several tiles; each fused row reports its largest
 log-sum-exp difference from Inductor's and the relative difference of the summed loss."""
 import argparse
 import json
@@ -70,14 +69,13 @@ def main(argv=None) -> int:
     g, g_t = unfused()
     rows["unfused"]["bytes_identical_share"] = (g.view(torch.uint8) == ref).double().mean().item()
     out, out_t = torch.empty((T, V), dtype=torch.uint8, device="cuda"), torch.empty((V, T), dtype=torch.uint8, device="cuda")
-    # every tile with exact math and with fast math (name suffix ",fast")
-    for cfg, fast in [(cfg, fast) for cfg in VARIANTS for fast in (False, True)]:
-        name = ",".join(map(str, cfg)) + (",fast" if fast else "")
+    # every tile, with the trainer's (fast) math
+    for cfg in VARIANTS:
+        name = ",".join(map(str, cfg))
 
-        def fused(cfg=cfg, fast=fast):
+        def fused(cfg=cfg):
             tg.CE_BACKWARD_TILE = cfg
-            tg.launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, tg.FP8_GRAD_SCALE, True, True,
-                                          fast_math=fast)
+            tg.launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, tg.FP8_GRAD_SCALE)
         out.fill_(255)
         out_t.fill_(255)
         try:
@@ -96,19 +94,18 @@ def main(argv=None) -> int:
     for name, row in rows.items():
         if "ms" in row:
             row["GB_per_s"] = bytes_moved / (row["ms"] * 1e-3) / 1e9
-    ok = {k: v for k, v in rows.items() if k != "unfused" and "ms" in v and not k.endswith(",fast")
-          and v["bytes_identical_share"] > 0.9999 and v["transpose_exact"]}  # fast math: judged by its rel_diff
+    # fast math moves a few values across an e5m2 rounding boundary (4 bytes in 100,000 on an H100)
+    ok = {k: v for k, v in rows.items() if k != "unfused" and "ms" in v and v["bytes_identical_share"] > 0.999
+          and v["transpose_exact"]}
     best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
     choice = best if best and ok[best]["ms"] < rows["unfused"]["ms"] else "unfused"
-    fast_ok = {k: v for k, v in rows.items() if k.endswith(",fast") and "ms" in v and v["transpose_exact"]}
-    best_fast = min(fast_ok, key=lambda k: fast_ok[k]["ms"]) if fast_ok else None
     forward, forward_best = forward_rows(logits, targets)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=T, vocab=V, rows=rows,
-                  best=choice, best_fast=best_fast, forward=forward, forward_best=forward_best, command=" ".join(["python3", *sys.argv]))
+                  best=choice, forward=forward, forward_best=forward_best, command=" ".join(["python3", *sys.argv]))
     Path(a.out).write_text(json.dumps(result, indent=1))
     for name, row in rows.items():
         print(f"{name:>12}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-    print(f"best: {choice}; best with fast math: {best_fast}")
+    print(f"best: {choice}")
     for name, row in forward.items():
         print(f"forward {name:>14}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                   for k, v in row.items()))
@@ -117,7 +114,7 @@ def main(argv=None) -> int:
 
 
 def forward_rows(logits, targets):
-    """The forward's log-sum-exp pass: Inductor's against our Triton kernel's tiles (exact and fast math)."""
+    """The forward's log-sum-exp pass: Inductor's against our Triton kernel's tiles (the trainer's fast math)."""
     import triton.testing
     T, V = logits.shape
     inductor = torch.compile(plain_forward, fullgraph=True, dynamic=False)
@@ -126,21 +123,20 @@ def forward_rows(logits, targets):
                                                         return_mode="median"))}
     lse, per_token = (torch.empty(T, device="cuda") for _ in range(2))
     for cfg in FORWARD_VARIANTS:
-        for fast in (False, True):
-            name = ",".join(map(str, cfg)) + (",fast" if fast else "")
+        name = ",".join(map(str, cfg))
 
-            def fused(cfg=cfg, fast=fast):
-                tg.CE_FORWARD_TILE = cfg
-                tg.launch_softcap_ce_forward(logits, targets, lse, per_token, fast)
-            try:
-                fused()
-                torch.cuda.synchronize()
-            except Exception as e:
-                rows[name] = dict(error=f"{type(e).__name__}: {e}"[:200])
-                continue
-            rows[name] = dict(ms=triton.testing.do_bench(fused, warmup=10, rep=100, return_mode="median"),
-                              lse_max_abs_diff=(lse - lse_ref).abs().max().item(),
-                              loss_rel_diff=abs(per_token.sum().item() - loss_ref.item()) / abs(loss_ref.item()))
+        def fused(cfg=cfg):
+            tg.CE_FORWARD_TILE = cfg
+            tg.launch_softcap_ce_forward(logits, targets, lse, per_token)
+        try:
+            fused()
+            torch.cuda.synchronize()
+        except Exception as e:
+            rows[name] = dict(error=f"{type(e).__name__}: {e}"[:200])
+            continue
+        rows[name] = dict(ms=triton.testing.do_bench(fused, warmup=10, rep=100, return_mode="median"),
+                          lse_max_abs_diff=(lse - lse_ref).abs().max().item(),
+                          loss_rel_diff=abs(per_token.sum().item() - loss_ref.item()) / abs(loss_ref.item()))
     for row in rows.values():
         if "ms" in row:
             row["GB_per_s"] = T * V * logits.element_size() / (row["ms"] * 1e-3) / 1e9
