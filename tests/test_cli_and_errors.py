@@ -123,6 +123,21 @@ def test_help_gives_each_flag_its_description_default_and_allowed_values(help_ru
     assert "(default: None)" not in text and "lambda" not in text
 
 
+def test_help_at_80_columns_gives_each_flag_at_most_two_lines(tmp_path):
+    r = run_script(["--help"], cwd=tmp_path, env=child_env(COLUMNS="80"))
+    assert r.returncode == 0, r.stderr
+    options = r.stdout.split("\noptions:\n", 1)[1].splitlines()
+    flags = {}  # the flag a line starts, with its continuation lines
+    for line in options:
+        if line.startswith("  -"):
+            flags[line.split()[0].rstrip(",")] = 1
+        elif line.strip():
+            flags[list(flags)[-1]] += 1
+    assert len(flags) == len(dataclasses.fields(tg.Hyperparameters)) + 1  # and -h
+    assert max(len(line) for line in options) <= 80
+    assert {flag: n for flag, n in flags.items() if n > 2} == {}
+
+
 @pytest.mark.parametrize("argv,flag", [(["--ws-schedule", "3,x"], "--ws-schedule"),
                                        (["--seed", "one"], "--seed"),
                                        (["--save-checkpoint", "maybe"], "--save-checkpoint"),

@@ -6,6 +6,7 @@ values a micro-batch reads, as a CUDA graph does, to show the rule GPT.forward s
 reads reaches the replays only as a tensor or as an entry of MicroBatchGraphs.key()."""
 import copy
 import dataclasses
+import re
 import types
 
 import pytest
@@ -377,6 +378,41 @@ def test_a_value_the_graphs_read_from_a_tensor_reaches_every_replay(monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses))
     assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
     assert not torch.equal(grads[1], 2 * grads[1])  # not all zero: the divisors differ in what they give
+
+
+def test_the_graphs_check_names_a_python_number_changed_since_the_capture_and_leaves_the_gradients_as_they_were(
+        monkeypatch):
+    """--cuda-graphs check (Trainer.graphs_against_eager, at each stage's first step): the same micro-batch through
+    its graph and eagerly. Equal losses: one log line, the gradients as before. A number the forward reads that
+    changed since the capture (a planted step-dependent value): the run stops with one line saying so, status 2."""
+    monkeypatch.setattr(tg, "CudaGraph", TracedGraph)
+    model, logged, data = GainModel(), [], iter(batches(4, 9))
+
+    def forward_backward(x, y, ws_short, ws_long, divisor):
+        loss = model(x, y)
+        (loss / divisor).backward()
+        return loss.detach()
+
+    graphs = tg.MicroBatchGraphs(model, tg.DistAdam(list(model.parameters())))
+    trainer = types.SimpleNamespace(model=model, graphs=graphs, runtime=types.SimpleNamespace(grad_accum_steps=2),
+                                    new_batches=lambda size: types.SimpleNamespace(get=lambda: next(data)),
+                                    forward_backward=forward_backward,
+                                    log=lambda line, console=True: logged.append(line))
+    stage = types.SimpleNamespace(name="stage 2", batch_size=5, ws_short=1, ws_long=3)
+    graphs.run(next(data), 1, 3, 2, forward_backward)  # the step's first micro-batch: captured
+    grad = model.w.grad.clone()
+    tg.Trainer.graphs_against_eager(trainer, 4, stage)
+    assert torch.equal(model.w.grad, grad)
+    assert len(logged) == 1 and re.fullmatch(r"cuda graphs check: stage 2 at step 4: graph and eager loss [\d.]+",
+                                             logged[0])
+    model.gain = 0.5  # what an edit reading the step in the forward does
+    with pytest.raises(tg.GraphsDiffer) as e:
+        tg.Trainer.graphs_against_eager(trainer, 9, stage)
+    assert e.value.status == 2 and "\n" not in str(e.value)
+    assert re.fullmatch(r"stopped at step 9: stage 2's CUDA graph gives loss [\d.]+ and eager [\d.]+: the forward "
+                        r"reads a value that changed since the graphs were captured \(README: Changing the model\)",
+                        str(e.value))
+    assert torch.equal(model.w.grad, grad) and len(logged) == 1
 
 
 # Two processes (gloo): the micro-batch that ends an Adam step launches DistAdam's reduce-scatters from its gradient
