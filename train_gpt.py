@@ -336,7 +336,7 @@ def validate_args(args: Hyperparameters):
                  f"{flag} must be in {meta['within']}{' (each value)' if len(values) > 1 else ''}, got {shown}")
         if f.name != "seed" and all(type(v) is int for v in values):
             need(all(v <= INT_LIMIT for v in values), f"{flag} must be at most {INT_LIMIT} (2^31-1), got {shown}")
-    need(args.seed <= SEED_LIMIT, f"--seed must be at most {SEED_LIMIT} (2^64-1, torch's largest seed), got {args.seed}")
+    need(args.seed <= SEED_LIMIT, f"--seed must be at most {SEED_LIMIT} (2^64-1, torch's largest), got {args.seed}")
     longest_window = max(*args.ws_schedule, args.ws_final, args.ws_validate_post_yarn_ext)
     need(longest_window * args.block_size <= INT_LIMIT,
          f"the longest attention window, {longest_window} blocks of --block-size {args.block_size}, must be at most "
@@ -1533,7 +1533,8 @@ def as_rows(t: Tensor) -> Tensor:
 class DistAdam(torch.optim.Optimizer):
     """ZeRO-1 Adam without weight decay (the record's): rank r keeps the state of, and updates, rows [r*k, (r+1)*k)
     of each param (k = rows_per_rank; a param whose rows do not divide by W is padded with zero rows in DistAdam's
-    own buffers, as the record padded its scalars), then all-gathers it. While `should_sync` is set (the last backward before a step()),
+    own buffers, as the record padded its scalars), then all-gathers it. While `should_sync` is set (the last backward
+    before a step()),
     a post-accumulate-grad hook reduce-scatters (AVG) each gradient into a buffer as long-lived as the optimizer,
     so a CUDA graph that captured it writes the same addresses at every replay. step() updates the params with a
     pending reduce-scatter (one process: those with a p.grad)."""
@@ -1694,15 +1695,15 @@ class LayerMap:
 
     def check(self) -> "LayerMap":
         L, attention = self.num_layers, set(range(1, self.num_layers)) - set(self.no_attention)
-        problems = [f"{name} names block {b}, not one of 0..{L - 1}" for name in ("no_attention", "no_mlp", "long_window")
-                    for b in getattr(self, name) if not 0 <= b < L]
+        problems = [f"{name} names block {b}, not one of 0..{L - 1}" for name in ("no_attention", "no_mlp",
+                    "long_window") for b in getattr(self, name) if not 0 <= b < L]
         problems += [f"value_embeds gives block {b} table {t}, but block {b} has no attention or table {t} is not "
                      "one of 0, 1, 2" for b, t in self.value_embeds if b not in attention or t not in (0, 1, 2)]
         problems += [f"long_window names block {b}, which has no attention" for b in self.long_window
                      if b not in attention and 0 <= b < L]
         if not 1 <= self.skip_from < self.skip_to < L or not 1 <= self.backout_from < L:
-            problems.append(f"the skip {self.skip_from} -> {self.skip_to} and the backout from {self.backout_from} must "
-                            f"be blocks 1..{L - 1}, the skip forward")
+            problems.append(f"the skip {self.skip_from} -> {self.skip_to} and the backout from {self.backout_from} "
+                            f"must be blocks 1..{L - 1}, the skip forward")
         if problems:
             more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
             raise ConfigError(f"--num-layers {L}: the layer map cannot work ({problems[0]}{more}): edit layer_map() "
@@ -2190,7 +2191,8 @@ def data_runs_out_at(args: Hyperparameters, runtime: "Runtime", shards: list) ->
     table = stages(args)
     ends = [s.first_step for s in table[1:]] + [args.num_iterations]
     for stage, end in zip(table, ends):
-        need = stage.batch_size // (runtime.grad_accum_steps * runtime.world_size) + 1  # +1: the last target
+        # a rank's micro-batch, plus its last target
+        need = tokens_per_micro_batch(stage.batch_size, runtime.grad_accum_steps, runtime.world_size) + 1
         for step in range(stage.first_step, min(end, args.num_iterations)):
             for _ in range(runtime.grad_accum_steps):  # the ranks' micro-batches come from one shard together
                 while True:
@@ -2339,6 +2341,13 @@ def to_device(batch: tuple, device: str) -> tuple:
         return tuple(t.to(device) for t in batch)
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
 
+def tokens_per_micro_batch(batch_size: int, grad_accum_steps: int, world_size: int) -> int:
+    """A rank's tokens per micro-batch: the global batch split over every micro-batch of every rank."""
+    if batch_size % (grad_accum_steps * world_size):
+        raise ConfigError(f"batch size {batch_size} is not divisible by grad_accum_steps x world_size "
+                          f"({grad_accum_steps} x {world_size})")
+    return batch_size // (grad_accum_steps * world_size)
+
 def distributed_data_generator(files: list, batch_size: int, max_seq_len: int, grad_accum_steps: int,
                                rank: int, world_size: int, epochs: int = 1, device: str = "cpu"):
     """Yields (inputs int32, targets int64, cu_seqlens int32) for this rank's next micro-batch. .send(None) keeps the
@@ -2346,7 +2355,7 @@ def distributed_data_generator(files: list, batch_size: int, max_seq_len: int, g
     loader = ShardLoader(files, world_size, epochs, pin_memory=(device == "cuda"))
     tokens, finder = loader.first()
     while True:
-        num_tokens = batch_size // (grad_accum_steps * world_size)
+        num_tokens = tokens_per_micro_batch(batch_size, grad_accum_steps, world_size)
         max_docs = max_num_docs_for(num_tokens)
         while True:
             try:
@@ -2362,15 +2371,12 @@ def distributed_data_generator(files: list, batch_size: int, max_seq_len: int, g
         new = yield to_device(batch, device)
         if new is not None:
             batch_size, max_seq_len, grad_accum_steps = new
-            if batch_size % (grad_accum_steps * world_size):
-                raise ConfigError(f"batch size {batch_size} is not divisible by grad_accum_steps x world_size "
-                                  f"({grad_accum_steps} x {world_size})")
 
 def validation_batches(path, val_batch_size: int, val_tokens: int, grad_accum_steps: int, rank: int,
                        world_size: int, device: str = "cpu"):
     """The first val_tokens of the validation shard, contiguous (not BOS-aligned), G micro-batches per step."""
     tokens = load_data_shard(path)
-    num_tokens = val_batch_size // (grad_accum_steps * world_size)
+    num_tokens = tokens_per_micro_batch(val_batch_size, grad_accum_steps, world_size)
     max_docs = max_num_docs_for(num_tokens)
     steps = grad_accum_steps * val_tokens // val_batch_size
     for step in range(steps):
@@ -2875,11 +2881,12 @@ def check_optimizer_labels(model: nn.Module, world_sizes=(1, 2, 4, 8)) -> None:
                               "set_optimizer_label(p, LABEL, TREATMENT), LABEL naming its group and TREATMENT one of "
                               + "; ".join(f"{k} ({v})" for k, v in TREATMENTS.items()))
         if seen.setdefault(label, (treatment, name))[0] != treatment:
-            raise ConfigError(f"parameter {name} has label {label!r} as {treatment}, but {seen[label][1]} has it as "
-                              f"{seen[label][0]}: a label is one group with one treatment; give one of them another label")
+            raise ConfigError(f"parameter {name} has label {label!r} as {treatment}, but {seen[label][1]} has it "
+                              f"as {seen[label][0]}: a label is one group with one treatment; give one of them another "
+                              "label")
         if treatment != "adam" and p.dim() != 2:
-            raise ConfigError(f"parameter {name} of shape {tuple(p.shape)} is treated as {treatment}, but NorMuon takes "
-                              f"2-D matrices: make it one, or treat it as adam")
+            raise ConfigError(f"parameter {name} of shape {tuple(p.shape)} is treated as {treatment}, but NorMuon "
+                              "takes 2-D matrices: make it one, or treat it as adam")
         if treatment == "qkvo" and p.shape[0] != 4 * p.shape[1]:
             raise ConfigError(f"parameter {name} is treated as qkvo, but its shape {tuple(p.shape)} is not (4d, d), "
                               "Q, K, V and O stacked")
@@ -3073,7 +3080,7 @@ class Trainer:
     def evaluate(self, ws_short: int, ws_long: int, max_steps: int = None) -> float:
         a, r = self.args, self.runtime
         self.model.eval()
-        num_tokens = a.val_batch_size // (r.grad_accum_steps * r.world_size)
+        num_tokens = tokens_per_micro_batch(a.val_batch_size, r.grad_accum_steps, r.world_size)
         total, steps = torch.zeros((), device=r.device), 0
         for inputs, targets, cu_seqlens in validation_batches(self.val_file, a.val_batch_size, a.val_tokens,
                                                               r.grad_accum_steps, r.rank, r.world_size, r.device):
@@ -3521,9 +3528,7 @@ def find_data(args: Hyperparameters, runtime: Runtime, scan: bool = True):
         raise ConfigError(f"validation shard {val_files[0]} holds {val_tokens:,} tokens, fewer than "
                           f"--val-tokens {args.val_tokens:,} + 1: lower --val-tokens (and --val-batch-size)")
     for bs in (*args.train_bs_schedule, args.train_bs_extension, args.val_batch_size):
-        if bs % (runtime.grad_accum_steps * runtime.world_size):
-            raise ConfigError(f"batch size {bs} is not divisible by grad_accum_steps x world_size "
-                              f"({runtime.grad_accum_steps} x {runtime.world_size})")
+        tokens_per_micro_batch(bs, runtime.grad_accum_steps, runtime.world_size)
     out_at = data_runs_out_at(args, runtime, shards) if scan else None
     if out_at is not None:
         raise ConfigError(f"too little training data: taking whole documents for each micro-batch (cut at "
@@ -3553,8 +3558,8 @@ RECOMPILE_LIMIT = 64  # graphs per code object (a train and an eval graph each; 
 def build_model_and_optimizers(args: Hyperparameters, runtime: Runtime):
     """The model on this process's device (rank 0's initialisation on every rank, compiled per region) and its two
     optimizers."""
-    micro_batches = runtime.grad_accum_steps * runtime.world_size  # per step, over all ranks
-    max_seq_len = max(args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension) // micro_batches
+    max_seq_len = max(tokens_per_micro_batch(bs, runtime.grad_accum_steps, runtime.world_size)
+                      for bs in (args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension))
     model = GPT(args, max_seq_len=max_seq_len, kernels=runtime.kernels,
                 fp8=runtime.fp8).to(runtime.device)
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT

@@ -343,7 +343,7 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
         per_gpu = bs / rt.world_size / (ms / 1000)  # tokens/s of one GPU
         rows.append(dict(name=name, tokens_per_step=bs, windows=f"{stage.ws_short},{stage.ws_long}", steps=len(times),
                          micro_batches_per_rank=rt.grad_accum_steps,
-                         tokens_per_micro_batch=bs // (rt.grad_accum_steps * rt.world_size),
+                         tokens_per_micro_batch=tg.tokens_per_micro_batch(bs, rt.grad_accum_steps, rt.world_size),
                          median_ms=ms, mean_ms=statistics.fmean(times), min_ms=min(times), max_ms=max(times),
                          host_ms=host_ms, host_share=host_ms / ms,
                          tokens_per_s=bs / (ms / 1000), mfu=mfu(per_gpu, n_params, peak),
