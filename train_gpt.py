@@ -1896,16 +1896,19 @@ class FusedKernel:
     fingerprint: str       # code_fingerprint(*follows) when the fused kernel was last checked against it
     check_here: object     # check_here(fp8) raises where the fused kernel cannot run (no GPU, library missing)
 
-FUSED_KERNELS = {
-    "attention": FusedKernel(attention, fused_attention, (attention, rotary, norm, flash_attention, scale_and_window),
-                             "beb42ed1db10",
-                             lambda fp8: fa4_on_this_gpu()),
-    "mlp": FusedKernel(mlp, fused_mlp, (mlp,), "20ac2a6cca4e", lambda fp8: quack_on_this_gpu()),
-    "attention_output": FusedKernel(attention_output, fused_attention_output, (attention_output,), "996f8d18f3cd",
-                                    lambda fp8: quack_on_this_gpu()),
-    "lm_head_loss": FusedKernel(lm_head_loss, fused_lm_head_loss, (lm_head_loss, softcap, lm_head_fp8), "711468e47622",
-                                needs_cuda_triton),
-}
+FUSED_KERNELS = {}  # name -> FusedKernel, each registered beside its fused kernel
+
+FUSED_KERNELS["attention"] = FusedKernel(attention, fused_attention, (attention, rotary, norm, flash_attention,
+                                                                      scale_and_window), "beb42ed1db10",
+                                         lambda fp8: fa4_on_this_gpu())
+
+FUSED_KERNELS["mlp"] = FusedKernel(mlp, fused_mlp, (mlp,), "20ac2a6cca4e", lambda fp8: quack_on_this_gpu())
+
+FUSED_KERNELS["attention_output"] = FusedKernel(attention_output, fused_attention_output, (attention_output,),
+                                                "996f8d18f3cd", lambda fp8: quack_on_this_gpu())
+
+FUSED_KERNELS["lm_head_loss"] = FusedKernel(lm_head_loss, fused_lm_head_loss, (lm_head_loss, softcap, lm_head_fp8),
+                                            "711468e47622", needs_cuda_triton)
 
 def parse_kernels(text: str) -> set | None:
     """The fused kernels --kernels asks for (fused: all, plain: none), or None where it names something else."""
@@ -2996,8 +2999,8 @@ class Trainer:
     muon: object
     train_files: list
     val_file: str
-    log: Logger
-    graphs: MicroBatchGraphs = None   # --cuda-graphs: the training micro-batches as CUDA graphs
+    log: "Logger"
+    graphs: "MicroBatchGraphs" = None   # --cuda-graphs: the training micro-batches as CUDA graphs
 
     def console(self, text: str):
         if self.log.master:
@@ -3487,7 +3490,7 @@ def tokens_needed(args: Hyperparameters) -> int:
     ends = [s.first_step for s in table[1:]] + [total]
     return sum(s.batch_size * max(0, min(end, total) - s.first_step) for s, end in zip(table, ends))
 
-def find_data(args: Hyperparameters, runtime: Runtime, scan: bool = True):
+def find_data(args: Hyperparameters, runtime: "Runtime", scan: bool = True):
     """Check the data before any process group exists or any file is written. Every rank reads the same shards, so a
     problem is a ConfigError (reported once, by rank 0). scan: every token of every shard too (not where ./run.sh
     launch has run --check before the workers, or once more when build_trainer looks the shards up again)."""
@@ -3555,7 +3558,7 @@ def setup_process_group(runtime: Runtime):
 
 RECOMPILE_LIMIT = 64  # graphs per code object (a train and an eval graph each; a few more for tests)
 
-def build_model_and_optimizers(args: Hyperparameters, runtime: Runtime):
+def build_model_and_optimizers(args: Hyperparameters, runtime: "Runtime"):
     """The model on this process's device (rank 0's initialisation on every rank, compiled per region) and its two
     optimizers."""
     max_seq_len = max(tokens_per_micro_batch(bs, runtime.grad_accum_steps, runtime.world_size)
@@ -3574,7 +3577,7 @@ def build_model_and_optimizers(args: Hyperparameters, runtime: Runtime):
         adam.compile_helpers()
     return model, adam, muon
 
-def build_trainer(args: Hyperparameters, runtime: Runtime, log_file: Path, replace_log: bool = False) -> "Trainer":
+def build_trainer(args: Hyperparameters, runtime: "Runtime", log_file: Path, replace_log: bool = False) -> "Trainer":
     """Everything a run needs, in one place (run() and bench/bench.py both call this): data and output paths checked
     first, then the process group, the model and optimizers, and last the log with its header."""
     train_files, val_file = find_data(args, runtime, scan=False)
