@@ -145,7 +145,7 @@ def _kernels_usable(t: Tensor) -> bool:
 
 
 # =====================================================================================
-# Config
+# Settings: every one a Hyperparameters field and a flag
 # =====================================================================================
 
 def setting(default, help, within: str = None, choices: tuple = None, length: int = None, metavar: str = None):
@@ -371,8 +371,130 @@ def validate_args(args: Hyperparameters):
 
 
 # =====================================================================================
-# lm_head: FP8 matmul, the softcapped cross-entropy and its fused Triton twin, the module
+# The model: the functions a speedrunner edits, its layout, its modules
 # =====================================================================================
+
+def norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary position embedding of x (T, heads, head_dim) from the tables cos, sin (>= T, head_dim / 2): each pair
+    (x1, x2) of the two halves turns by its token's angle."""
+    cos, sin = cos[:x.size(0), None, :], sin[:x.size(0), None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+# Causal attention over packed documents (FlashAttention, Tri Dao et al.): q, k, v are (T, heads, head_dim),
+# cu_seqlens marks the document starts, and each query sees itself and at most `window` earlier tokens of its own
+# document. `window_table` is a CPU float64 tensor [[scale, short_window], [scale, long_window]] (tokens) and
+# `window_row` picks its row: the compiled graphs see the table as data, so one graph serves every window stage and
+# every YaRN scale (Python numbers would make each pair a new graph: 4 train + 5 eval compilations instead of 1 + 1).
+
+def scale_and_window(window_table: Tensor, window_row: int) -> tuple:
+    """(softmax scale, window in tokens) of the short (0) or long (1) window as Python numbers."""
+    scale, window = window_table[window_row].tolist()
+    return float(scale), int(window)
+
+def attention_reference(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
+    """Attention in plain PyTorch ops, one document at a time (the CPU's; it cannot be compiled)."""
+    scale, window = scale_and_window(window_table, window_row)
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end <= start:
+            continue  # zero-length padding entries
+        n = end - start
+        qd, kd, vd = (t[start:end].transpose(0, 1).float() for t in (q, k, v))
+        scores = (qd @ kd.transpose(-1, -2)) * scale
+        back = torch.arange(n, device=q.device)[:, None] - torch.arange(n, device=q.device)  # query minus key position
+        scores = scores.masked_fill((back < 0) | (back > window), float("-inf"))
+        out[start:end] = (scores.softmax(dim=-1) @ vd).transpose(0, 1).to(q.dtype)
+    return out
+
+# PyTorch's FlashAttention-2 varlen kernels (torch.nn.attention.varlen's) behind our own op, which reads the window
+# and the scale from the CPU table when it runs instead of baking them into the graph.
+@torch.library.custom_op("speedrun::flash_varlen", mutates_args=())
+def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
+                 window_row: int) -> tuple[Tensor, Tensor, Tensor]:
+    scale, window = scale_and_window(window_table, window_row)
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False,
+        scale=scale, window_size_left=window, window_size_right=0)
+    rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)  # dropout is 0: the backward ignores it
+    return out, lse, rng_state
+
+@flash_varlen.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
+    return (torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32),
+            q.new_empty((2,), dtype=torch.uint64))
+
+@torch.library.custom_op("speedrun::flash_varlen_backward", mutates_args=())
+def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          rng_state: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
+                          window_row: int) -> tuple[Tensor, Tensor, Tensor]:
+    scale, window = scale_and_window(window_table, window_row)
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, rng_state, unused,
+        scale=scale, window_size_left=window, window_size_right=0)
+    return dq, dk, dv
+
+@flash_varlen_backward.register_fake
+def _(grad_out, q, k, v, out, lse, rng_state, cu_seqlens, max_seqlen, window_table, window_row):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+def _flash_varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, window_table, window_row = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens, window_table, *output)
+    ctx.max_seqlen, ctx.window_row = max_seqlen, window_row
+
+def _flash_varlen_backward_rule(ctx, grad_out, *_):
+    q, k, v, cu_seqlens, window_table, out, lse, rng_state = ctx.saved_tensors
+    dq, dk, dv = torch.ops.speedrun.flash_varlen_backward(grad_out.contiguous(), q, k, v, out, lse, rng_state,
+                                                          cu_seqlens, ctx.max_seqlen, window_table, ctx.window_row)
+    return dq, dk, dv, None, None, None, None
+
+flash_varlen.register_autograd(_flash_varlen_backward_rule, setup_context=_flash_varlen_setup_context)
+
+def attention_varlen(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
+    return torch.ops.speedrun.flash_varlen(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)[0]
+
+def flash_attention(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
+    """PyTorch's FlashAttention-2 kernels on a GPU (the closest to the record's FA3), the reference elsewhere."""
+    attend = attention_varlen if q.is_cuda else attention_reference
+    return attend(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)
+
+def attention(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+              window_table: Tensor, window_row: int) -> Tensor:
+    """The plain attention from the raw projections qkv (T, 3·heads, head_dim): RMS norm and rotary on q and k, the
+    value embedding ve (T, heads, head_dim) added to v, FlashAttention. Returns (T, heads, head_dim)."""
+    q, k, v = qkv.chunk(3, dim=1)
+    q, k = rotary(norm(q), cos, sin), rotary(norm(k), cos, sin)
+    if ve is not None:
+        v = v + ve
+    return flash_attention(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)
+
+def attention_output(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    """The attention's output projection added to the residual stream: residual + y wᵀ."""
+    return residual + F.linear(y, w)
+
+# --- the plain MLP and attention output, and their fused twins (quack-kernels GEMMs, Tri Dao et al.) -----------
+
+def mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
+    """The ReLU² MLP: relu(x w_fcᵀ)² w_proj, with w_fc and w_proj both stored (4d, d)."""
+    return F.relu(F.linear(x, w_fc)).square() @ w_proj
+
+# --- the plain head: softcapped logits and PyTorch's cross-entropy, as the record computes them ------------------
+SOFTCAP = 30.0        # every logit is squashed into (0, SOFTCAP) ...
+SOFTCAP_WIDTH = 7.5   # ... by z = SOFTCAP · sigmoid(logit / SOFTCAP_WIDTH)
+
+def softcap(logits: Tensor) -> Tensor:
+    return SOFTCAP * torch.sigmoid(logits / SOFTCAP_WIDTH)
+
+def lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, fp8: bool) -> Tensor:
+    """Sum over tokens of the cross-entropy of the softcapped logits x wᵀ (FP8 operands in training on Hopper)."""
+    logits = lm_head_fp8(x, w) if fp8 else F.linear(x, w)
+    return F.cross_entropy(softcap(logits.float()), targets, reduction="sum")
 
 # --- FP8 lm_head matmul ---------------------------------------------------------------
 # Scales chosen so the e4m3/e5m2 casts never saturate: an RMS-normalised row has |x| <= sqrt(768),
@@ -477,215 +599,179 @@ def quantize_e5m2(g: Tensor, grad_s: float) -> Tensor:
     """The FP8 backward's gradient operand: e5m2(g / grad_s), one rounding from fp32."""
     return (g.float() / grad_s).to(torch.float8_e5m2)
 
-# --- the plain head: softcapped logits and PyTorch's cross-entropy, as the record computes them ------------------
-SOFTCAP = 30.0        # every logit is squashed into (0, SOFTCAP) ...
-SOFTCAP_WIDTH = 7.5   # ... by z = SOFTCAP · sigmoid(logit / SOFTCAP_WIDTH)
+# How the optimizers treat a parameter, declared where it is made (set_optimizer_label): the label names its group.
+TREATMENTS = {
+    "matrix": "NorMuon, orthogonalised: one second moment per row (per column where the matrix is wider than tall)",
+    "qkvo": "NorMuon, a (4d, d) stack of Q, K, V and O, each orthogonalised on its own: one second moment per row",
+    "gate": "NorMuon, a gate's few rows: one second moment per row whatever its shape",
+    "adam": "DistAdam: Adam, its rows sharded over the ranks",
+}
 
-def softcap(logits: Tensor) -> Tensor:
-    return SOFTCAP * torch.sigmoid(logits / SOFTCAP_WIDTH)
+def set_optimizer_label(p: nn.Parameter, label: str, treatment: str, lr_mul: float = 1.0) -> nn.Parameter:
+    """p joins the optimizer group `label`, treated as TREATMENTS[treatment] says, at lr x lr_mul."""
+    if treatment not in TREATMENTS:
+        raise ConfigError(f"set_optimizer_label(..., {label!r}, {treatment!r}): the treatment is one of "
+                          + "; ".join(f"{k} ({v})" for k, v in TREATMENTS.items()))
+    p.label, p.treatment, p.lr_mul = label, treatment, lr_mul
+    return p
 
-def lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, fp8: bool) -> Tensor:
-    """Sum over tokens of the cross-entropy of the softcapped logits x wᵀ (FP8 operands in training on Hopper)."""
-    logits = lm_head_fp8(x, w) if fp8 else F.linear(x, w)
-    return F.cross_entropy(softcap(logits.float()), targets, reduction="sum")
+GATE_INPUTS = 12  # a gate reads the first 12 channels of its input
+def gate_input(x: Tensor) -> Tensor:
+    return x[..., :GATE_INPUTS]
 
-# --- its fused twin: FP8 matmul, then one Triton pass forward and one backward -----------------------------------
-# The softcap bounds every logit below SOFTCAP, so the log-sum-exp needs no max pass (50304·e^30 ≈ 5e17, far below
-# fp32's 3e38), and the softcapped logits are never stored: the backward recomputes them. Both passes take the
-# sigmoid from the GPU's tanh.approx, which moves far fewer e5m2 gradient bytes than their own rounding does.
+def uniform_bound(dim: int) -> float:
+    """The half-width of the record's uniform initialisation of a (·, dim) matrix: sqrt(3)/2 / sqrt(dim)."""
+    return math.sqrt(3) * 0.5 * dim ** -0.5
 
-CE_FORWARD_TILE = (4, 1024, 8)    # BLOCK_T, BLOCK_V, num_warps of _softcap_ce_forward_kernel
-CE_BACKWARD_TILE = (64, 128, 8)   # the same of _softcap_ce_backward_kernel (bench/kernels/ce_kernel_bench.py)
+@dataclass(frozen=True)
+class LayerMap:
+    """Which block has attention, an MLP, the long window or a value embedding, and where the U-net skip and the
+    backout read and join: layer_map() derives it from the layer count, check() refuses one that cannot work."""
+    num_layers: int
+    no_attention: tuple     # blocks without attention (block 0 is empty: the trunk starts at block 1)
+    no_mlp: tuple
+    long_window: tuple      # blocks on the long attention window; the rest use the short one
+    value_embeds: tuple     # (block, table): the value-embedding table (of 3) block's attention adds
+    skip_from: int          # the U-net skip: block skip_from's output joins before block skip_to
+    skip_to: int
+    backout_from: int       # block whose output is backed out of the final hidden state
+    skip_weight: int = 1    # which skip weight that skip reads: the record's reads scalars[1], whatever skip_from
 
-@torch.library.custom_op("speedrun::softcap_ce_forward", mutates_args=())
-def fused_softcap_ce_forward(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """(summed cross-entropy of softcap(logits), per-token log-sum-exp), both fp32, in one pass over the logits."""
-    T = logits.size(0)
-    lse = torch.empty(T, dtype=torch.float32, device=logits.device)
-    per_token = torch.empty(T, dtype=torch.float32, device=logits.device)
-    launch_softcap_ce_forward(logits, targets, lse, per_token)
-    return per_token.sum(), lse
+    @property
+    def num_scalars(self) -> int:
+        """skip weights, block lambdas (x, x0) and attention lambdas (qkv, o) per block, then smear and backout."""
+        return 5 * self.num_layers + 2
 
-@fused_softcap_ce_forward.register_fake
-def _(logits, targets):
-    return logits.new_empty((), dtype=torch.float32), logits.new_empty((logits.size(0),), dtype=torch.float32)
+    def check(self) -> "LayerMap":
+        L, attention = self.num_layers, set(range(1, self.num_layers)) - set(self.no_attention)
+        problems = [f"{name} names block {b}, not one of 0..{L - 1}" for name in ("no_attention", "no_mlp",
+                    "long_window") for b in getattr(self, name) if not 0 <= b < L]
+        problems += [f"value_embeds gives block {b} table {t}, but block {b} has no attention or table {t} is not "
+                     "one of 0, 1, 2" for b, t in self.value_embeds if b not in attention or t not in (0, 1, 2)]
+        problems += [f"long_window names block {b}, which has no attention" for b in self.long_window
+                     if b not in attention and 0 <= b < L]
+        if not 1 <= self.skip_from < self.skip_to < L or not 1 <= self.backout_from < L:
+            problems.append(f"the skip {self.skip_from} -> {self.skip_to} and the backout from {self.backout_from} "
+                            f"must be blocks 1..{L - 1}, the skip forward")
+        if problems:
+            more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+            raise ConfigError(f"--num-layers {L}: the layer map cannot work ({problems[0]}{more}): edit layer_map() "
+                              f"(its rule covers 9 layers or more), or pick another --num-layers")
+        return self
 
-@torch.library.custom_op("speedrun::softcap_ce_backward", mutates_args=())
-def fused_softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor,
-                              grad_s: float) -> tuple[Tensor, Tensor]:
-    """The e5m2 operand of the FP8 backward, e5m2(bf16(grad · d loss / d logits) / grad_s), in the (T, V) and the
-    (V, T) layout its two GEMMs read."""
-    T, V = logits.shape
-    g = torch.empty((T, V), dtype=torch.uint8, device=logits.device)
-    g_t = torch.empty((V, T), dtype=torch.uint8, device=logits.device)
-    launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s)
-    return g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
+    def line(self) -> str:
+        """The map, for the log."""
+        return (f"layers: {self.num_layers} blocks; no attention in {list(self.no_attention)}, no MLP in "
+                f"{list(self.no_mlp)}; long window in {list(self.long_window)}; value embeddings "
+                f"{', '.join(f'{b}<-{t}' for b, t in self.value_embeds)}; skip {self.skip_from} -> {self.skip_to}; "
+                f"backout from {self.backout_from}; {self.num_scalars} scalars")
 
-@fused_softcap_ce_backward.register_fake
-def _(logits, lse, targets, grad, grad_s):
-    T, V = logits.shape
-    return (logits.new_empty((T, V), dtype=torch.float8_e5m2), logits.new_empty((V, T), dtype=torch.float8_e5m2))
+def layer_map(num_layers: int) -> LayerMap:
+    """The record's map (12 layers: skip 4 -> 7, backout 8, long windows 4 and 11, value embeddings in the first two
+    and last three blocks, block 7 MLP-only) as one rule of the layer count L."""
+    L = num_layers
+    skip_from, skip_to = L // 3, L // 2 + 1
+    return LayerMap(L, no_attention=(0, skip_to), no_mlp=(0,), long_window=(skip_from, L - 1),
+                    value_embeds=((1, 1), (2, 2), (L - 3, 0), (L - 2, 1), (L - 1, 2)), skip_from=skip_from,
+                    skip_to=skip_to, backout_from=2 * L // 3).check()
 
-def launch_softcap_ce_forward(logits, targets, lse, per_token):
-    """_softcap_ce_forward_kernel: lse (T,) and per_token (T,) = lse - z_target, fp32 buffers."""
-    T, V = logits.shape
-    assert logits.is_contiguous()
-    block_t, block_v, warps = CE_FORWARD_TILE
-    assert block_t * V < 2 ** 31, "in-tile offsets are int32"
-    _softcap_ce_forward_kernel[(triton.cdiv(T, block_t),)](
-        logits, targets, lse, per_token, T, V, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t, BLOCK_V=block_v,
-        PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
+class Yarn(nn.Module):
+    """The rotary tables (cos, sin) of the half-truncated rotary embedding, whose low frequencies are stretched (YaRN,
+    Bowen Peng et al.) when the attention window grows."""
 
-def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float):
-    """_softcap_ce_backward_kernel into out (T, V) and out_t (V, T), uint8 buffers of e5m2 bytes."""
-    T, V = logits.shape
-    block_t, block_v, warps = CE_BACKWARD_TILE
-    assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
-    _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
-        logits, lse, targets, grad, out, out_t, T, V, grad_s, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t,
-        BLOCK_V=block_v, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
+    def __init__(self, head_dim: int, max_seq_len: int):
+        super().__init__()
+        self.head_dim, self.max_seq_len = head_dim, max_seq_len
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2, dtype=torch.bfloat16), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2, dtype=torch.bfloat16), persistent=False)
+        self.reset()
 
-class FusedLMHeadLoss(torch.autograd.Function):
-    """lm_head_loss in fewer passes: the FP8 matmul, one Triton pass for the log-sum-exp, and in the backward one that
-    writes the e5m2 gradient in both layouts the FP8 GEMMs read (no bf16 gradient tensor, cast or transpose)."""
+    def reset(self):
+        n = self.head_dim // 4  # half the (x1, x2) pairs rotate, from 1 down to 1/1024 rad/token; the rest pass through
+        rotating = (1 / 1024) ** torch.linspace(0, 1, steps=n, dtype=torch.float32)
+        self.freqs = torch.cat([rotating, rotating.new_zeros(n)])
+        self.attn_scale = 0.1
+        self.window = None  # the long window the tables are stretched for; set by the first set_window()
+        self._write_tables()
 
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
-        logits, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_matmul(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
-        loss, lse = torch.ops.speedrun.softcap_ce_forward(logits, targets)
-        ctx.save_for_backward(logits, targets, lse, x_f8_t, w_f8_t)
-        return loss
+    def _write_tables(self):
+        theta = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float32), self.freqs)
+        with torch.no_grad():  # copy in place so compiled graphs keep pointing at the same buffers
+            self.cos.copy_(theta.cos())
+            self.sin.copy_(theta.sin())
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        logits, targets, lse, x_f8_t, w_f8_t = ctx.saved_tensors
-        g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE)
-        grad_x, grad_w = torch.ops.speedrun.fp8_matmul_backward(
-            g_f8, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE, g_f8_t)
-        return grad_x, grad_w, None
+    def set_window(self, window: int):
+        """Stretch the tables for a new long attention window (the first call only records it)."""
+        if self.window is not None and window != self.window:
+            self.stretch(self.window, window)
+        self.window = window
 
-def fused_lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, fp8: bool) -> Tensor:
-    assert fp8, "the fused head is the FP8 one"
-    return FusedLMHeadLoss.apply(x, w, targets)
+    def stretch(self, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0):
+        """Stretch the slow frequencies by old/new window (fast ones kept) and raise the softmax scale."""
+        turns = 128 * old_window * self.freqs / (2 * math.pi)
+        gamma = ((turns - alpha) / (beta - alpha)).clamp(0, 1)
+        ratio = old_window / new_window
+        self.freqs = self.freqs * (ratio + gamma * (1 - ratio))
+        self.attn_scale *= 1 + 0.2 * math.log(new_window / old_window)
+        self.window = new_window  # what set_window compares against, also after a direct call
+        self._write_tables()
 
-def transpose_bytes(x: Tensor) -> Tensor:
-    """Contiguous transpose of a 2-D tensor of 1-byte elements (the FP8 gradient) by a tiled kernel at close to
-    memory bandwidth; Inductor, left to itself, fuses it into the producer with scattered 1-byte stores."""
-    assert x.dim() == 2 and x.element_size() == 1 and x.is_contiguous()
-    if not _kernels_usable(x):
-        return x.t().contiguous()
-    M, N = x.shape
-    y = torch.empty((N, M), dtype=torch.uint8, device=x.device)
-    block = 128  # 128-byte rows: full memory transactions on both sides
-    _transpose_kernel[(triton.cdiv(M, block), triton.cdiv(N, block))](x.view(torch.uint8), y, M, N, BLOCK=block,
-                                                                      num_warps=8)
-    return y.view(x.dtype)
+class Documents(typing.NamedTuple):
+    """What attention needs to know of a packed micro-batch: where its documents start (cu_seqlens), the longest
+    one, the windows' table (GPT.window_table) and the rotary tables."""
+    cu_seqlens: Tensor
+    max_seqlen: int
+    window_table: Tensor
+    cos: Tensor
+    sin: Tensor
 
-if triton is not None:
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
+        # One stacked fp32 matrix: rows [0, 3d) are Wq, Wk, Wv and rows [3d, 4d) are Wo, all (out, in).
+        self.qkvo_w = set_optimizer_label(nn.Parameter(torch.empty(4 * dim, dim)), "attn", "qkvo")
+        bound = uniform_bound(dim)
+        with torch.no_grad():
+            self.qkvo_w[:3 * dim].uniform_(-bound, bound)
+            self.qkvo_w[3 * dim:].zero_()
+        # Sparse gate: one sigmoid per head and token, read off the first channels of the block input.
+        self.attn_gate = nn.Linear(GATE_INPUTS, num_heads, bias=False)
+        nn.init.zeros_(self.attn_gate.weight)
+        set_optimizer_label(self.attn_gate.weight, "attn_gate", "gate")
 
-    @triton.jit
-    def _transpose_kernel(X, Y, M, N, BLOCK: tl.constexpr):
-        # Y (N, M) = X (M, N)ᵀ, both contiguous: a BLOCK x BLOCK tile is read along X's rows and written along
-        # Y's rows, so loads and stores are both coalesced (Triton reshuffles the tile through shared memory).
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rows = (pid_m * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        cols = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        tile = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask)
-        tl.store(Y + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
+    def forward(self, x: Tensor, residual: Tensor, ve: Tensor | None, sa_lambdas: Tensor, docs: "Documents",
+                window_row: int, kernels: dict) -> Tensor:
+        """residual + attention(x): x is the normed block input, residual the block input, window_row which of
+        docs' windows (0: short, 1: long)."""
+        T, d = x.shape
+        w = self.qkvo_w.type_as(x)
+        # sa_lambdas are folded into the weights (a 768x2304 multiply is cheaper than a T x 2304 one).
+        qkv = F.linear(x, sa_lambdas[0] * w[:3 * d]).view(T, 3 * self.num_heads, self.head_dim)
+        ve = None if ve is None else ve.view(T, self.num_heads, self.head_dim)
+        y = kernels["attention"](qkv, ve, docs.cos, docs.sin, docs.cu_seqlens, docs.max_seqlen, docs.window_table,
+                                 window_row)
+        y = y * torch.sigmoid(F.linear(gate_input(x), self.attn_gate.weight)).unsqueeze(-1)
+        return kernels["attention_output"](residual, y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
 
-    @triton.jit
-    def _quantize_transpose_kernel(X, Q, QT, M, N, inv_scale, BLOCK: tl.constexpr):
-        # Q (M, N) = e4m3(x · inv_scale) and QT (N, M) its transpose, from one read of a BLOCK x BLOCK tile of X.
-        # The fp32 product is rounded once, to e4m3, as Inductor's compile of x.div(scale).to(e4m3) rounds it.
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rows = (pid_m * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        cols = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-        q = (x.to(tl.float32) * inv_scale).to(Q.dtype.element_ty)
-        tl.store(Q + rows[:, None] * N + cols[None, :], q, mask=mask)
-        tl.store(QT + cols[:, None] * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        # Both stored (4d, d): h = x @ c_fc.T, out = h @ c_proj (same function as the untransposed record).
+        self.c_fc = set_optimizer_label(nn.Parameter(torch.empty(4 * dim, dim)), "mlp", "matrix", lr_mul=1.0)
+        self.c_proj = set_optimizer_label(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", "matrix", lr_mul=2.0)
+        bound = uniform_bound(dim)
+        with torch.no_grad():
+            self.c_fc.uniform_(-bound, bound)
 
-    @triton.jit
-    def _tanh_approx(y, PTX: tl.constexpr):
-        # One special-function instruction on NVIDIA GPUs (relative error about 2^-11); the interpreter runs no
-        # PTX, so there the same value comes from the exact identity tanh(y) = 2·sigmoid(2y) - 1.
-        if PTX:
-            return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
-                                             is_pure=True, pack=1)
-        else:
-            return 2.0 * tl.sigmoid(2.0 * y) - 1.0
+    def forward(self, x, kernels):
+        return kernels["mlp"](x, self.c_fc.type_as(x), self.c_proj.type_as(x))
 
-    @triton.jit
-    def _softcap_sigmoid(x, WIDTH: tl.constexpr, FAST: tl.constexpr, PTX_TANH: tl.constexpr):
-        # s = sigmoid(logit/WIDTH), softcap's z = CAP·s. FAST: (1 + tanh(logit/(2·WIDTH)))/2 with tanh.approx,
-        # one special-function instruction instead of an exponential and a full-precision division.
-        if FAST:
-            return 0.5 + 0.5 * _tanh_approx(x * (0.5 / WIDTH), PTX_TANH)
-        else:
-            return tl.sigmoid(x / WIDTH)
-
-    @triton.jit
-    def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
-                                    CAP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-                                    BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr):
-        # One (BLOCK_T x BLOCK_V) tile of grad·d/dlogits sum_t CE(softcap(logits_t), target_t):
-        #   g = grad·(softmax(z) - onehot)·(CAP/WIDTH)·s·(1-s),  z = CAP·s, s = sigmoid(logit/WIDTH)
-        # rounded to bf16 (the record's gradient dtype), divided by grad_s, cast to e5m2 and stored as (T, V) for dX
-        # and as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous), both stores coalesced. Fast math:
-        # tanh.approx for the sigmoid and a multiplication by 1/grad_s.
-        row0 = tl.program_id(0) * BLOCK_T
-        col0 = tl.program_id(1) * BLOCK_V
-        r = tl.arange(0, BLOCK_T)   # in-tile offsets stay int32; only the tile bases are 64-bit
-        c = tl.arange(0, BLOCK_V)
-        rows = row0 + r
-        cols = col0 + c
-        rmask = rows < T
-        mask = rmask[:, None] & (cols[None, :] < V)
-        tile = row0.to(tl.int64) * V + col0             # (row0, col0) in the (T, V) layout
-        tile_t = col0.to(tl.int64) * T + row0           # (col0, row0) in the (V, T) layout
-        x = tl.load(logits + tile + (r[:, None] * V + c[None, :]), mask=mask, other=0.0).to(tl.float32)
-        row_lse = tl.load(lse + rows, mask=rmask, other=0.0)
-        row_target = tl.load(targets + rows, mask=rmask, other=-1)
-        scale = tl.load(grad).to(tl.float32)
-        s = _softcap_sigmoid(x, WIDTH, True, PTX_TANH)
-        p = tl.exp(CAP * s - row_lse[:, None])
-        onehot = (cols[None, :] == row_target[:, None]).to(tl.float32)
-        g = scale * (p - onehot) * (CAP / WIDTH) * s * (1.0 - s)
-        g = g.to(tl.bfloat16).to(tl.float32) * (1.0 / grad_s)
-        q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        tl.store(out + tile + (r[:, None] * V + c[None, :]), q, mask=mask)
-        tl.store(out_t + tile_t + (c[:, None] * T + r[None, :]), tl.trans(q), mask=tl.trans(mask))
-
-    @triton.jit
-    def _softcap_ce_forward_kernel(logits, targets, lse, per_token, T, V, CAP: tl.constexpr, WIDTH: tl.constexpr,
-                                   BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr):
-        # BLOCK_T rows of the (T, V) logits, swept in BLOCK_V-wide chunks: lse = log sum_v exp(CAP·s) with no max
-        # pass (the softcap bounds z below CAP), then per_token = lse - z_target. exp(CAP·s) is one exp2 with
-        # the constant folded; the sigmoid comes from tanh.approx, as in the fused backward. The
-        # target's term keeps the exact sigmoid.
-        row0 = tl.program_id(0) * BLOCK_T
-        r = tl.arange(0, BLOCK_T)
-        rows = row0 + r
-        rmask = rows < T
-        base = row0.to(tl.int64) * V
-        acc = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for col0 in range(0, V, BLOCK_V):
-            cols = col0 + tl.arange(0, BLOCK_V)
-            mask = rmask[:, None] & (cols[None, :] < V)
-            x = tl.load(logits + base + (r[:, None] * V + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
-            s = _softcap_sigmoid(x, WIDTH, True, PTX_TANH)
-            e = tl.exp2(s * (CAP * 1.4426950408889634))
-            acc += tl.sum(tl.where(mask, e, 0.0), axis=1)
-        row_lse = tl.log(acc)
-        target = tl.load(targets + rows, mask=rmask, other=0)
-        x_t = tl.load(logits + rows.to(tl.int64) * V + target, mask=rmask, other=0.0).to(tl.float32)
-        z_t = CAP * _softcap_sigmoid(x_t, WIDTH, False, PTX_TANH)
-        tl.store(lse + rows, row_lse, mask=rmask)
-        tl.store(per_token + rows, row_lse - z_t, mask=rmask)
+class Block(nn.Module):
+    def __init__(self, layer: int, layers: LayerMap, dim: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim) if layer not in layers.no_attention else None
+        self.mlp = MLP(dim) if layer not in layers.no_mlp else None
 
 # Evaluation runs the head over this many tokens at a time: a (262144, 50304) bf16 logits tensor would take 25 GiB.
 EVAL_HEAD_CHUNK = 32768
@@ -704,309 +790,119 @@ class LMHead(nn.Module):
             return self.loss_fn(x, self.weight, targets, self.fp8)
         return lm_head_loss(x, self.weight, targets, fp8=False)
 
+class GPT(nn.Module):
+    def __init__(self, args: Hyperparameters, max_seq_len: int, kernels: dict = None, fp8: bool = False):
+        """max_seq_len: longest packed micro-batch (rotary tables); kernels: {name: function} from resolve_kernels
+        (default: every plain function); fp8: FP8 lm_head in training."""
+        super().__init__()
+        d, L = args.model_dim, args.num_layers
+        self.layers = layer_map(L)
+        self.kernels = kernels or {name: k.plain for name, k in FUSED_KERNELS.items()}
+        self.vocab_size = next_multiple_of(args.vocab_size, 128)
+        self.block_size = args.block_size
+        self.embed = nn.Embedding(self.vocab_size, d)
+        self.smear_gate = nn.Linear(GATE_INPUTS, 1, bias=False)
+        nn.init.zeros_(self.smear_gate.weight)
+        self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
+        self.blocks = nn.ModuleList([Block(i, self.layers, d, args.num_heads, args.head_dim) for i in range(L)])
+        self.yarn = Yarn(args.head_dim, max_seq_len)
+        self.lm_head = LMHead(d, self.vocab_size, self.kernels["lm_head_loss"], fp8)
+        for m in self.modules():  # embeddings, gates and lm_head live in bf16; the big matrices stay fp32
+            if isinstance(m, (nn.Embedding, nn.Linear)):
+                m.bfloat16()
+        self.scalars = nn.Parameter(torch.cat([         # layers.num_scalars of them
+            torch.full((L,), -1.5),                     # skip weights (sigmoid(-1.5) ~ 0.18)
+            torch.tensor([1.1, 0.0]).repeat(L),         # block lambdas (x, x0)
+            torch.tensor([0.5, 1.0]).repeat(L),         # SA lambdas (qkv, o)
+            torch.tensor([0.0, 0.5])]))                 # smear lambda, backout lambda
+        set_optimizer_label(self.embed.weight, "embed", "adam", 75.0)
+        set_optimizer_label(self.smear_gate.weight, "smear_gate", "gate")
+        for ve in self.value_embeds:
+            set_optimizer_label(ve.weight, "value_embed", "adam", 75.0)
+        set_optimizer_label(self.lm_head.weight, "lm_head", "adam", 1.0)
+        set_optimizer_label(self.scalars, "scalars", "adam", 5.0)
+        self._trunk, self._head, self.is_compiled = self.trunk, self.head, False  # see compile_regions()
 
-# =====================================================================================
-# Attention: the plain function and its fused twin
-# =====================================================================================
+    def compile_regions(self, **options):
+        """torch.compile the trunk and the head as two regions: the head's backward finishes first, so lm_head's
+        gradient hook (DistAdam's biggest reduce-scatter) fires while the trunk's backward still computes."""
+        self._trunk = torch.compile(self.trunk, **options)
+        self._head = torch.compile(self.head, **options)
+        self.is_compiled = True
 
-# Causal attention over packed documents (FlashAttention, Tri Dao et al.): q, k, v are (T, heads, head_dim),
-# cu_seqlens marks the document starts, and each query sees itself and at most `window` earlier tokens of its own
-# document. `window_table` is a CPU float64 tensor [[scale, short_window], [scale, long_window]] (tokens) and
-# `window_row` picks its row: the compiled graphs see the table as data, so one graph serves every window stage and
-# every YaRN scale (Python numbers would make each pair a new graph: 4 train + 5 eval compilations instead of 1 + 1).
+    # CUDA graphs: a training micro-batch is recorded once and replayed, so a Python number read here (an attribute,
+    # a global, a schedule value) is frozen at its value at capture. A value that changes during training reaches the
+    # replays only as a tensor the graph reads (as the window table and the loss's divisor do) or as an entry of
+    # MicroBatchGraphs.key(), which then captures one graph per value.
+    def forward(self, input_seq: Tensor, target_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
+                max_seqlen: int) -> Tensor:
+        """The loss: summed over tokens in training, the mean in evaluation."""
+        window_table = self.window_table(ws_short, ws_long)
+        if self.is_compiled:  # one graph for every micro-batch length (and cu_seqlens length)
+            for t in (input_seq, target_seq, cu_seqlens):
+                torch._dynamo.mark_dynamic(t, 0)
+        x = self._trunk(input_seq, cu_seqlens, window_table, max_seqlen)
+        if self.training:
+            return self._head(self.dynamic(x), target_seq)
+        chunks = zip(x.split(EVAL_HEAD_CHUNK), target_seq.split(EVAL_HEAD_CHUNK))
+        return sum(self._head(self.dynamic(xc), self.dynamic(tc)) for xc, tc in chunks) / target_seq.numel()
 
-def scale_and_window(window_table: Tensor, window_row: int) -> tuple:
-    """(softmax scale, window in tokens) of the short (0) or long (1) window as Python numbers."""
-    scale, window = window_table[window_row].tolist()
-    return float(scale), int(window)
+    def dynamic(self, t: Tensor) -> Tensor:
+        if self.is_compiled:
+            torch._dynamo.mark_dynamic(t, 0)
+        return t
 
-def attention_reference(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
-    """Attention in plain PyTorch ops, one document at a time (the CPU's; it cannot be compiled)."""
-    scale, window = scale_and_window(window_table, window_row)
-    out = torch.zeros_like(q)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end <= start:
-            continue  # zero-length padding entries
-        n = end - start
-        qd, kd, vd = (t[start:end].transpose(0, 1).float() for t in (q, k, v))
-        scores = (qd @ kd.transpose(-1, -2)) * scale
-        back = torch.arange(n, device=q.device)[:, None] - torch.arange(n, device=q.device)  # query minus key position
-        scores = scores.masked_fill((back < 0) | (back > window), float("-inf"))
-        out[start:end] = (scores.softmax(dim=-1) @ vd).transpose(0, 1).to(q.dtype)
-    return out
+    def window_table(self, ws_short: int, ws_long: int) -> Tensor:
+        """Rows [softmax scale, window in tokens] of the short and the long window: a fresh CPU tensor per call (data
+        to the compiled graph, saved as is for the backward)."""
+        scale, bs = self.yarn.attn_scale, self.block_size
+        return torch.tensor(((scale, ws_short * bs), (scale, ws_long * bs)), dtype=torch.float64)
 
-# PyTorch's FlashAttention-2 varlen kernels (torch.nn.attention.varlen's) behind our own op, which reads the window
-# and the scale from the CPU table when it runs instead of baking them into the graph.
-@torch.library.custom_op("speedrun::flash_varlen", mutates_args=())
-def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
-                 window_row: int) -> tuple[Tensor, Tensor, Tensor]:
-    scale, window = scale_and_window(window_table, window_row)
-    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False,
-        scale=scale, window_size_left=window, window_size_right=0)
-    rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)  # dropout is 0: the backward ignores it
-    return out, lse, rng_state
+    def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, window_table: Tensor, max_seqlen: int) -> Tensor:
+        """Embeddings and blocks: the normalised final hidden state (T, d)."""
+        L = len(self.blocks)
+        layers = self.layers
+        skip_w = self.scalars[:L]           # one per layer; only the U-net skip's (layers.skip_weight) is read
+        lambdas = self.scalars[L:3 * L].view(L, 2)
+        sa_lambdas = self.scalars[3 * L:5 * L].view(L, 2)
+        smear_lambda, backout_lambda = self.scalars[5 * L], self.scalars[5 * L + 1]
 
-@flash_varlen.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
-    return (torch.empty_like(q), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32),
-            q.new_empty((2,), dtype=torch.uint64))
+        ve = tuple(emb(input_seq) for emb in self.value_embeds)
+        x = self.embed(input_seq)
+        # Smear: mix a gated copy of the previous token's embedding into each position (1-token look-back).
+        gate = smear_lambda * torch.sigmoid(F.linear(gate_input(x[1:]), self.smear_gate.weight))
+        x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
+        x = x0 = norm(x)
+        docs = Documents(cu_seqlens, max_seqlen, window_table, self.yarn.cos, self.yarn.sin)
+        skip = backout = None
+        for i in range(1, L):  # block 0 is empty
+            block = self.blocks[i]
+            if i == layers.skip_to:
+                x = x + torch.sigmoid(skip_w[layers.skip_weight]) * skip
+            x = lambdas[i, 0] * x + lambdas[i, 1] * x0
+            if block.attn is not None:
+                window_row = 1 if i in layers.long_window else 0
+                v = ve[dict(layers.value_embeds)[i]] if i in dict(layers.value_embeds) else None
+                x = block.attn(norm(x), x, v, sa_lambdas[i], docs, window_row, self.kernels)
+            if block.mlp is not None:
+                x = x + block.mlp(norm(x), self.kernels)
+            if i == layers.skip_from:
+                skip = x
+            if i == layers.backout_from:
+                backout = x
+        return norm(x - backout_lambda * backout)
 
-@torch.library.custom_op("speedrun::flash_varlen_backward", mutates_args=())
-def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          rng_state: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
-                          window_row: int) -> tuple[Tensor, Tensor, Tensor]:
-    scale, window = scale_and_window(window_table, window_row)
-    unused = torch.empty(0, device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, rng_state, unused,
-        scale=scale, window_size_left=window, window_size_right=0)
-    return dq, dk, dv
+    def head(self, x: Tensor, target_seq: Tensor) -> Tensor:
+        return self.lm_head(x, target_seq)
 
-@flash_varlen_backward.register_fake
-def _(grad_out, q, k, v, out, lse, rng_state, cu_seqlens, max_seqlen, window_table, window_row):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-def _flash_varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, window_table, window_row = inputs
-    ctx.save_for_backward(q, k, v, cu_seqlens, window_table, *output)
-    ctx.max_seqlen, ctx.window_row = max_seqlen, window_row
-
-def _flash_varlen_backward_rule(ctx, grad_out, *_):
-    q, k, v, cu_seqlens, window_table, out, lse, rng_state = ctx.saved_tensors
-    dq, dk, dv = torch.ops.speedrun.flash_varlen_backward(grad_out.contiguous(), q, k, v, out, lse, rng_state,
-                                                          cu_seqlens, ctx.max_seqlen, window_table, ctx.window_row)
-    return dq, dk, dv, None, None, None, None
-
-flash_varlen.register_autograd(_flash_varlen_backward_rule, setup_context=_flash_varlen_setup_context)
-
-def attention_varlen(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
-    return torch.ops.speedrun.flash_varlen(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)[0]
-
-def flash_attention(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
-    """PyTorch's FlashAttention-2 kernels on a GPU (the closest to the record's FA3), the reference elsewhere."""
-    attend = attention_varlen if q.is_cuda else attention_reference
-    return attend(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)
-
-def norm(x: Tensor) -> Tensor:
-    return F.rms_norm(x, (x.size(-1),))
-
-def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary position embedding of x (T, heads, head_dim) from the tables cos, sin (>= T, head_dim / 2): each pair
-    (x1, x2) of the two halves turns by its token's angle."""
-    cos, sin = cos[:x.size(0), None, :], sin[:x.size(0), None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
-
-def attention(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-              window_table: Tensor, window_row: int) -> Tensor:
-    """The plain attention from the raw projections qkv (T, 3·heads, head_dim): RMS norm and rotary on q and k, the
-    value embedding ve (T, heads, head_dim) added to v, FlashAttention. Returns (T, heads, head_dim)."""
-    q, k, v = qkv.chunk(3, dim=1)
-    q, k = rotary(norm(q), cos, sin), rotary(norm(k), cos, sin)
-    if ve is not None:
-        v = v + ve
-    return flash_attention(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)
-
-# --- the fused twin of `attention`: FlashAttention-4 with the q/k norm and rotary in one Triton pass -------------
-# FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels): window and
-# scale are runtime arguments of its kernels (only whether a window exists is in its compile key), so one compiled
-# kernel pair serves every stage. Imported on first use.
-
-def fa4_interface():
-    """flash_attn.cute.interface (PyPI flash-attn-4), imported on first use (Python keeps the module)."""
-    # Keep FA4's JIT-compiled kernels on disk, as Inductor keeps its graphs: a restart loads them instead of
-    # compiling again. Read at its import; FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 opts out.
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    import flash_attn.cute.interface as fa4
-    return fa4
-
-def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, window_table, window_row: int) -> tuple[Tensor, Tensor]:
-    scale, window = scale_and_window(window_table, window_row)
-    out, lse, *_ = fa4_interface()._flash_attn_fwd(
-        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-        softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0, return_lse=True)
-    return out, lse
-
-def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, window_table, window_row: int,
-                 dq, dk, dv) -> None:
-    """Writes the gradients into dq, dk, dv (views of the caller's gradient buffers)."""
-    scale, window = scale_and_window(window_table, window_row)
-    fa4_interface()._flash_attn_bwd(
-        q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
-        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-        dq=dq, dk=dk, dv=dv)
-
-# q/k RMS norm and rotary in one Triton pass inside the FlashAttention-4 op (Inductor parks the rotated rows in fp32
-# scratch and copies dv into the qkv gradient in one more pass): the forward reads each raw q/k row once, the
-# backward lets FlashAttention-4 write dv into its slot of the qkv gradient and fills the q and k slots in one pass.
-# The math is norm() and rotary()'s, in fp32 with one rounding at the store (tests pin it against them).
-
-if triton is not None:
-
-    @triton.jit
-    def _qk_norm_rope_forward_kernel(qkv, cos, sin, qk_out, rstd_out, rows_total, HEADS2: tl.constexpr,
-                                     D: tl.constexpr, ROW_STRIDE: tl.constexpr, EPS: tl.constexpr,
-                                     BLOCK_R: tl.constexpr):
-        # Row r = token·HEADS2 + j: head j of q (j < HEADS2/2) or of k, at qkv[token, j]; qk_out is (T, HEADS2, D).
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = (rows < rows_total)[:, None]
-        token = (rows // HEADS2).to(tl.int64)
-        half = tl.arange(0, D // 2)[None, :]
-        src = qkv + token[:, None] * ROW_STRIDE + (rows % HEADS2)[:, None] * D + half
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + D // 2, mask=mask, other=0.0).to(tl.float32)
-        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + EPS)
-        table = token[:, None] * (D // 2) + half
-        c = tl.load(cos + table, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(sin + table, mask=mask, other=0.0).to(tl.float32)
-        x1 = x1 * r[:, None]
-        x2 = x2 * r[:, None]
-        dst = qk_out + rows.to(tl.int64)[:, None] * D + half
-        tl.store(dst, (x1 * c + x2 * s).to(qk_out.dtype.element_ty), mask=mask)
-        tl.store(dst + D // 2, (x2 * c - x1 * s).to(qk_out.dtype.element_ty), mask=mask)
-        tl.store(rstd_out + rows, r, mask=rows < rows_total)
-
-    @triton.jit
-    def _add_value_embedding_kernel(qkv, ve, v_out, T, WIDTH: tl.constexpr, ROW_STRIDE: tl.constexpr,
-                                    V_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
-        # v_out[t] = qkv[t, V_OFFSET : V_OFFSET + WIDTH] + ve[t], BLOCK_T whole rows per program.
-        tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
-        cols = tl.arange(0, BLOCK_W)[None, :]
-        mask = (tokens < T) & (cols < WIDTH)
-        a = tl.load(qkv + tokens * ROW_STRIDE + V_OFFSET + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(ve + tokens * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(v_out + tokens * WIDTH + cols, (a + b).to(v_out.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _qk_norm_rope_backward_kernel(d_qk, qkv, rstd, cos, sin, d_qkv, rows_total, HEADS2: tl.constexpr,
-                                      D: tl.constexpr, ROW_STRIDE: tl.constexpr, BLOCK_R: tl.constexpr):
-        # d_qk (T, HEADS2, D): gradient of the rotated rows; writes the raw rows' gradient into d_qkv[token, j].
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = (rows < rows_total)[:, None]
-        token = (rows // HEADS2).to(tl.int64)
-        half = tl.arange(0, D // 2)[None, :]
-        grad = d_qk + rows.to(tl.int64)[:, None] * D + half
-        g1 = tl.load(grad, mask=mask, other=0.0).to(tl.float32)
-        g2 = tl.load(grad + D // 2, mask=mask, other=0.0).to(tl.float32)
-        table = token[:, None] * (D // 2) + half
-        c = tl.load(cos + table, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(sin + table, mask=mask, other=0.0).to(tl.float32)
-        g1, g2 = g1 * c - g2 * s, g1 * s + g2 * c  # through the rotation (its transpose)
-        offset = token[:, None] * ROW_STRIDE + (rows % HEADS2)[:, None] * D + half
-        r = tl.load(rstd + rows, mask=rows < rows_total, other=0.0)[:, None]
-        x1 = tl.load(qkv + offset, mask=mask, other=0.0).to(tl.float32) * r
-        x2 = tl.load(qkv + offset + D // 2, mask=mask, other=0.0).to(tl.float32) * r
-        dot = (tl.sum(x1 * g1, 1) + tl.sum(x2 * g2, 1))[:, None] / D
-        tl.store(d_qkv + offset, ((g1 - x1 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
-        tl.store(d_qkv + offset + D // 2, ((g2 - x2 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
-
-QK_NORM_ROPE_ROWS = 32  # head rows per program: 32 x 128 elements in flight each way
-
-def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """(rotated, normalised q and k heads (T, 2H, D) in qkv's dtype, 1/rms per row (T, 2H) fp32) of qkv (T, 3H, D)."""
-    T, heads3, D = qkv.shape
-    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and cos.size(1) == D // 2
-    heads2 = 2 * heads3 // 3
-    qk = qkv.new_empty((T, heads2, D))
-    rstd = torch.empty((T, heads2), dtype=torch.float32, device=qkv.device)
-    rows = T * heads2
-    _qk_norm_rope_forward_kernel[(triton.cdiv(rows, QK_NORM_ROPE_ROWS),)](
-        qkv, cos, sin, qk, rstd, rows, HEADS2=heads2, D=D, ROW_STRIDE=heads3 * D,
-        EPS=torch.finfo(torch.float32).eps, BLOCK_R=QK_NORM_ROPE_ROWS, num_warps=4)
-    return qk, rstd
-
-VALUE_EMBEDDING_ROWS = 8  # tokens per program of _add_value_embedding_kernel
-
-def add_value_embedding(qkv: Tensor, ve: Tensor) -> Tensor:
-    """qkv's v heads + ve, contiguous (T, H, D). PyTorch adds a strided operand with an unvectorised kernel that
-    computes every element's address; this pass reads whole rows (same bf16 rounding: fp32 sum, one rounding)."""
-    T, heads3, D = qkv.shape
-    heads = heads3 // 3
-    assert qkv.is_contiguous() and ve.is_contiguous() and ve.shape == (T, heads, D)
-    v = torch.empty_like(ve)
-    width = heads * D
-    _add_value_embedding_kernel[(triton.cdiv(T, VALUE_EMBEDDING_ROWS),)](
-        qkv, ve, v, T, WIDTH=width, ROW_STRIDE=heads3 * D, V_OFFSET=2 * width, BLOCK_T=VALUE_EMBEDDING_ROWS,
-        BLOCK_W=triton.next_power_of_2(width), num_warps=8)
-    return v
-
-def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, d_qkv: Tensor) -> None:
-    """Writes the gradient of qkv's q and k heads, given d_qk (T, 2H, D) of qk_norm_rope's output, into
-    d_qkv[:, :2H] (d_qkv has qkv's layout; its v heads are left alone)."""
-    T, heads3, D = qkv.shape
-    heads2 = 2 * heads3 // 3
-    assert d_qk.is_contiguous() and d_qkv.is_contiguous() and qkv.is_contiguous()
-    rows = T * heads2
-    _qk_norm_rope_backward_kernel[(triton.cdiv(rows, QK_NORM_ROPE_ROWS),)](
-        d_qk, qkv, rstd, cos, sin, d_qkv, rows, HEADS2=heads2, D=D, ROW_STRIDE=heads3 * D,
-        BLOCK_R=QK_NORM_ROPE_ROWS, num_warps=4)
-
-@torch.library.custom_op("speedrun::fa4_qkv", mutates_args=())
-def fa4_qkv(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-            window_table: Tensor, window_row: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """attention() with FlashAttention-4: (out, lse, and for the backward the rotated q|k, the v it read when ve is
-    given (else empty: v is a view of qkv), the norm's 1/rms)."""
-    heads = qkv.size(1) // 3
-    qk, rstd = qk_norm_rope(qkv, cos, sin)
-    v = qkv[:, 2 * heads:] if ve is None else add_value_embedding(qkv, ve)
-    out, lse = fa4_forward(qk[:, :heads], qk[:, heads:], v, cu_seqlens, max_seqlen, window_table, window_row)
-    return out, lse, qk, (v if ve is not None else qkv.new_empty(0)), rstd
-
-@fa4_qkv.register_fake
-def _(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
-    T, heads3, D = qkv.shape
-    heads = heads3 // 3
-    return (qkv.new_empty((T, heads, D)), qkv.new_empty((heads, T), dtype=torch.float32),
-            qkv.new_empty((T, 2 * heads, D)), qkv.new_empty((T, heads, D) if ve is not None else (0,)),
-            qkv.new_empty((T, 2 * heads), dtype=torch.float32))
-
-@torch.library.custom_op("speedrun::fa4_qkv_backward", mutates_args=())
-def fa4_qkv_backward(grad_out: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, out: Tensor, lse: Tensor, qk: Tensor,
-                     v_used: Tensor, rstd: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
-                     window_row: int) -> Tensor:
-    """The gradient of qkv, written in place by FlashAttention-4's backward (dv) and the norm + rotary backward."""
-    heads = qkv.size(1) // 3
-    v = v_used if v_used.numel() else qkv[:, 2 * heads:]
-    d_qkv = torch.empty_like(qkv)
-    d_qk = torch.empty_like(qk)
-    fa4_backward(grad_out, qk[:, :heads], qk[:, heads:], v, out, lse, cu_seqlens, max_seqlen, window_table, window_row,
-                 dq=d_qk[:, :heads], dk=d_qk[:, heads:], dv=d_qkv[:, 2 * heads:])
-    qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv)
-    return d_qkv
-
-@fa4_qkv_backward.register_fake
-def _(grad_out, qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, max_seqlen, window_table, window_row):
-    return torch.empty_like(qkv)
-
-def _fa4_qkv_setup_context(ctx, inputs, output):
-    qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row = inputs
-    out, lse, qk, v_used, rstd = output
-    ctx.save_for_backward(qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, window_table)
-    ctx.max_seqlen, ctx.window_row, ctx.has_ve = max_seqlen, window_row, ve is not None
-
-def _fa4_qkv_backward(ctx, grad_out, *_):
-    qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, window_table = ctx.saved_tensors
-    d_qkv = torch.ops.speedrun.fa4_qkv_backward(grad_out.contiguous(), qkv, cos, sin, out, lse, qk, v_used, rstd,
-                                                cu_seqlens, ctx.max_seqlen, window_table, ctx.window_row)
-    d_ve = d_qkv[:, 2 * (qkv.size(1) // 3):] if ctx.has_ve else None  # v = qkv's v heads + ve: the same gradient
-    return d_qkv, d_ve, None, None, None, None, None, None
-
-fa4_qkv.register_autograd(_fa4_qkv_backward, setup_context=_fa4_qkv_setup_context)
-
-def fused_attention(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
-    return torch.ops.speedrun.fa4_qkv(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row)[0]
-
-def fa4_on_this_gpu():
-    if torch.cuda.get_device_capability()[0] < 9:
-        raise RuntimeError("its kernels need compute capability 9.0 or newer (Hopper, Blackwell)")
-    return fa4_interface()
+def next_multiple_of(x: int, n: int) -> int:
+    return -(-x // n) * n
 
 
 # =====================================================================================
+# Optimizers: Polar Express and Turbo-Muon, NorMuon, DistAdam, and the labels that choose
 # =====================================================================================
-# Orthogonalizers: Polar Express and Turbo-Muon
+
 # =====================================================================================
 
 # Muon (Keller Jordan) orthogonalizes each update. Polar Express (Amsel, Persson, Musco and Gower) replaces
@@ -1041,189 +937,6 @@ POLAR_NORM_EPS = 1e-6
 TURBO_AOL_SAFETY = 1.02      # s = rsqrt(rowsum|XXᵀ|·1.02 + 1e-6), the 2 % margin kept
 TURBO_AOL_EPS = 1e-6
 
-KERNEL_MIN_DIM = 64          # matrices with fewer rows (wide orientation) use torch matmuls: the gates
-                             # (6x12, 1x12) are pure launch latency, cuBLAS/inductor handle them as well
-_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-_SMEM_BUDGET = 160 * 1024    # H100/H200 have 227 KB per block; keep room for the epilogue's layout conversion
-
-def _pow2_at_least(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-# Tile overrides, {kind: {...}} or {(kind, m, k): {...}}, for tile sweeps and tests (symmetric kernels keep BLOCK_N
-# equal to BLOCK_M); empty in training.
-def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
-    """Tiles and launch config of xxt ((n, m, k) -> (n, m, m)), ba_plus_cAA or ax_plus_bx ((n, m, m) x (n, m, k)):
-    128x128 tiles, BLOCK_K 64, 8 warps, 4 stages (3 for ax_plus_bx), smaller where a matrix or _SMEM_BUDGET is."""
-    elsize = torch.empty((), dtype=dtype).element_size()
-    sym = kind in ("xxt", "ba_plus_cAA")
-    if kind == "ba_plus_cAA":
-        k = m
-    out_rows, out_cols, red = (m, m, k) if sym else (m, k, m)
-    if min(out_rows, out_cols) >= 128:
-        bm = bn = 128
-    elif min(out_rows, out_cols) >= 64:
-        bm = bn = 64
-    else:
-        bm = min(64, max(16, _pow2_at_least(out_rows)))
-        bn = bm if sym else min(64, max(16, _pow2_at_least(out_cols)))
-    bk = min(64, max(16, _pow2_at_least(red)))
-    warps = 8 if bm * bn >= 128 * 128 else 4
-    stages = 4 if sym else 3
-    while stages > 1 and stages * (bm + bn) * bk * elsize > _SMEM_BUDGET:
-        stages -= 1
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-
-if triton is not None:
-
-    @triton.jit
-    def _dot_acc(a, b, acc):
-        # acc += a·b; fp32 operands are multiplied exactly (IEEE), not in TF32
-        if a.dtype == tl.float32:
-            return tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            return tl.dot(a, b, acc)
-
-    @triton.jit
-    def _sym_gram_kernel(X, C, M, K, alpha, beta,
-                         s_xb, s_xm, s_xk, s_cb, s_cm, s_cn,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN: tl.constexpr, ADD_X: tl.constexpr):
-        # ns_line_1 (ADD_X=False): C[b] = X[b] X[b]ᵀ.
-        # ns_line_2 (ADD_X=True):  C[b] = alpha·X[b]X[b]ᵀ + beta·X[b] for square symmetric X (= c·A·A + b·A,
-        # since A·A = A·Aᵀ). Either way C is symmetric: program (pid, b) owns output tile (i, j) = divmod(pid, T),
-        # only j <= i is computed, stored at (i, j) and transposed at (j, i).  fp32 accumulation.
-        pid = tl.program_id(0)
-        bid = tl.program_id(1).to(tl.int64)
-        T = tl.cdiv(M, BLOCK_M)
-        ti = pid // T
-        tj = pid % T
-        if tj > ti:
-            return
-        X += bid * s_xb
-        C += bid * s_cb
-        rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tj * BLOCK_M + tl.arange(0, BLOCK_M)
-        offk = tl.arange(0, BLOCK_K)
-        a_ptr = X + rows[:, None] * s_xm + offk[None, :] * s_xk        # (BM, BK) rows of tile i
-        b_ptr = X + cols[None, :] * s_xm + offk[:, None] * s_xk        # (BK, BM) rows of tile j, transposed
-        acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN:
-                a = tl.load(a_ptr)
-                b = tl.load(b_ptr)
-            else:
-                kk = k0 + offk
-                a = tl.load(a_ptr, mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
-                b = tl.load(b_ptr, mask=(cols[None, :] < M) & (kk[:, None] < K), other=0.0)
-            acc = _dot_acc(a, b, acc)
-            a_ptr += BLOCK_K * s_xk
-            b_ptr += BLOCK_K * s_xk
-        mask = (rows[:, None] < M) & (cols[None, :] < M)
-        if ADD_X:
-            x_tile = tl.load(X + rows[:, None] * s_xm + cols[None, :] * s_xk, mask=mask, other=0.0)
-            # (the casts: Inductor passes Python floats as fp64)
-            acc = tl.cast(alpha, tl.float32) * acc + tl.cast(beta, tl.float32) * x_tile.to(tl.float32)
-        out = acc.to(C.dtype.element_ty)
-        tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_cn, out, mask=mask)
-        if tj < ti:
-            tl.store(C + cols[:, None] * s_cm + rows[None, :] * s_cn, tl.trans(out),
-                     mask=(cols[:, None] < M) & (rows[None, :] < M))
-
-    @triton.jit
-    def _ax_plus_bx_kernel(X, B, C, M, K, alpha,
-                           s_xb, s_xm, s_xk, s_bb, s_bm, s_bn, s_cb, s_cm, s_ck,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           EVEN: tl.constexpr):
-        # C[b] = alpha·X[b] + B[b] X[b] with X (M, K), B (M, M) (s_bb == 0 broadcasts one B over the batch).
-        # ns_line_3: the fp32 accumulator starts at alpha·X and B·X accumulates into it.  Every load is masked on
-        # its rows/cols AND its reduction index (an unmasked row once read out of bounds) unless EVEN says all
-        # blocks are in bounds.
-        pid = tl.program_id(0)
-        bid = tl.program_id(1).to(tl.int64)
-        tn = tl.cdiv(K, BLOCK_N)
-        ti = pid // tn
-        tj = pid % tn
-        X += bid * s_xb
-        B += bid * s_bb
-        C += bid * s_cb
-        rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tj * BLOCK_N + tl.arange(0, BLOCK_N)
-        offk = tl.arange(0, BLOCK_K)
-        out_mask = (rows[:, None] < M) & (cols[None, :] < K)
-        if EVEN:
-            x0 = tl.load(X + rows[:, None] * s_xm + cols[None, :] * s_xk)
-        else:
-            x0 = tl.load(X + rows[:, None] * s_xm + cols[None, :] * s_xk, mask=out_mask, other=0.0)
-        acc = x0.to(tl.float32) * tl.cast(alpha, tl.float32)   # inductor passes Python floats as fp64
-        b_ptr = B + rows[:, None] * s_bm + offk[None, :] * s_bn        # (BM, BK)
-        x_ptr = X + offk[:, None] * s_xm + cols[None, :] * s_xk        # (BK, BN)
-        for k0 in range(0, M, BLOCK_K):
-            if EVEN:
-                b = tl.load(b_ptr)
-                x = tl.load(x_ptr)
-            else:
-                kk = k0 + offk
-                b = tl.load(b_ptr, mask=(rows[:, None] < M) & (kk[None, :] < M), other=0.0)
-                x = tl.load(x_ptr, mask=(kk[:, None] < M) & (cols[None, :] < K), other=0.0)
-            acc = _dot_acc(b, x, acc)
-            b_ptr += BLOCK_K * s_bn
-            x_ptr += BLOCK_K * s_xm
-        tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_ck, acc.to(C.dtype.element_ty), mask=out_mask)
-
-def _as_batched(t: Tensor) -> Tensor:
-    return t if t.dim() == 3 else t.unsqueeze(0)
-
-def xxt(X: Tensor, out: Tensor = None) -> Tensor:
-    """out = X Xᵀ for X (m, k) or (n, m, k) -> (m, m) / (n, m, m), in X's dtype (fp32 accumulation)."""
-    if out is None:
-        out = X.new_empty(*X.shape[:-1], X.size(-2))
-    if not _kernels_usable(X):
-        return torch.matmul(X, X.mT, out=out)
-    return _launch_sym_gram("xxt", X, out, 1.0, 0.0, add_x=False)
-
-def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None) -> Tensor:
-    """out = b·A + c·A·A for symmetric A (m, m) or (n, m, m) (symmetry is assumed, not checked)."""
-    if out is None:
-        out = torch.empty_like(A)
-    if not _kernels_usable(A):
-        return torch.add(torch.mul(A, b), torch.matmul(A, A), alpha=c, out=out)
-    return _launch_sym_gram("ba_plus_cAA", A, out, float(c), float(b), add_x=True)
-
-def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: float, add_x: bool) -> Tensor:
-    X3, C3 = _as_batched(X), _as_batched(out)
-    n, m, k = X3.shape
-    cfg = kernel_config(kind, n, m, k, X.dtype)
-    bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
-    t = triton.cdiv(m, bm)
-    _sym_gram_kernel[(t * t, n)](
-        X3, C3, m, k, alpha, beta, X3.stride(0), X3.stride(1), X3.stride(2), C3.stride(0), C3.stride(1), C3.stride(2),
-        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bk == 0), ADD_X=add_x,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out
-
-def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None) -> Tensor:
-    """out = a·X + B X for X (m, k) / (n, m, k) and B (m, m) / (n or 1, m, m); out must not alias X."""
-    if out is None:
-        out = torch.empty_like(X)
-    if not _kernels_usable(X):
-        if X.dim() == 3 and B.shape == (X.size(0), X.size(1), X.size(1)):
-            return torch.baddbmm(X, B, X, beta=a, out=out)
-        return torch.add(torch.matmul(B, X), X, alpha=a, out=out)
-    X3, C3 = _as_batched(X), _as_batched(out)
-    B3 = _as_batched(B)
-    n, m, k = X3.shape
-    cfg = kernel_config("ax_plus_bx", n, m, k, X.dtype)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    s_bb = 0 if B3.size(0) == 1 else B3.stride(0)
-    _ax_plus_bx_kernel[(triton.cdiv(m, bm) * triton.cdiv(k, bn), n)](
-        X3, B3, C3, m, k, float(a),
-        X3.stride(0), X3.stride(1), X3.stride(2), s_bb, B3.stride(1), B3.stride(2),
-        C3.stride(0), C3.stride(1), C3.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bn == 0 and m % bk == 0),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out
-
 # ---- the iteration, parametrised by its three matrix operations ----
 
 def _torch_gram(X, out=None):
@@ -1236,7 +949,6 @@ def _torch_update(X, B, a, out=None):
     return a * X + B @ X
 
 _TORCH_OPS = (_torch_gram, _torch_poly, _torch_update)
-_TRITON_OPS = (xxt, ba_plus_cAA, ax_plus_bx)
 
 def _polar_loop(G: Tensor, turbo: bool, dtype, ops, buffers: bool) -> Tensor:
     """The body of polar_express and its reference: G (..., rows, cols) -> same shape in `dtype`. ops = (gram, poly,
@@ -1288,9 +1000,6 @@ def polar_express(G: Tensor, turbo: bool = False) -> Tensor:
     return _polar_loop(G, turbo, torch.bfloat16, _TRITON_OPS if use_kernels else _TORCH_OPS, buffers=use_kernels)
 
 
-# =====================================================================================
-# NorMuon
-# =====================================================================================
 
 # NorMuon (Zichong Li et al.) adds Adam-like per-row second moments to Muon's orthogonalized update; the weight decay
 # is cautious (Lizhang Chen et al.): it only acts where the update already shrinks the weight.
@@ -1510,9 +1219,6 @@ class NorMuon(torch.optim.Optimizer):
             work.wait()
 
 
-# =====================================================================================
-# DistAdam
-# =====================================================================================
 
 def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor,
                 beta1: float, beta2: float, eps: float) -> None:
@@ -1645,474 +1351,68 @@ class DistAdam(torch.optim.Optimizer):
             as_rows(p).copy_(rows[:as_rows(p).shape[0]])
         self._pending.clear()
 
+def check_optimizer_labels(model: nn.Module, world_sizes=(1, 2, 4, 8)) -> None:
+    """Every parameter's label and treatment (set_optimizer_label) can work, at each world size: one ConfigError
+    naming the parameter otherwise."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen = {}  # label -> (treatment, the first parameter with it)
+    for name, p in model.named_parameters():
+        label, treatment = getattr(p, "label", None), getattr(p, "treatment", None)
+        if label is None or treatment not in TREATMENTS:
+            missing = "no optimizer label" if label is None else f"label {label!r} but no treatment"
+            raise ConfigError(f"parameter {name} has {missing}: give it both where it is made, "
+                              "set_optimizer_label(p, LABEL, TREATMENT), LABEL naming its group and TREATMENT one of "
+                              + "; ".join(f"{k} ({v})" for k, v in TREATMENTS.items()))
+        if seen.setdefault(label, (treatment, name))[0] != treatment:
+            raise ConfigError(f"parameter {name} has label {label!r} as {treatment}, but {seen[label][1]} has it "
+                              f"as {seen[label][0]}: a label is one group with one treatment; give one of them another "
+                              "label")
+        if treatment != "adam" and p.dim() != 2:
+            raise ConfigError(f"parameter {name} of shape {tuple(p.shape)} is treated as {treatment}, but NorMuon "
+                              "takes 2-D matrices: make it one, or treat it as adam")
+        if treatment == "qkvo" and p.shape[0] != 4 * p.shape[1]:
+            raise ConfigError(f"parameter {name} is treated as qkvo, but its shape {tuple(p.shape)} is not (4d, d), "
+                              "Q, K, V and O stacked")
+    matrices = [p for p in model.parameters() if p.treatment != "adam"]
+    for world_size in world_sizes:
+        for group, ps in normuon_groups(matrices, world_size)[0]:
+            chunk = -(-len(ps) // world_size)
+            for r in range(world_size):
+                shard = ps[r * chunk:(r + 1) * chunk]
+                if len({p.treatment for p in shard}) > 1 and any(p.treatment == "qkvo" for p in shard):
+                    qkvo = next(p for p in shard if p.treatment == "qkvo")
+                    raise ConfigError(f"on {world_size} processes, NorMuon's rank {r} would stack parameter "
+                                      f"{names[id(qkvo)]} (qkvo) with matrices of another treatment in group "
+                                      f"{group}: give them labels of their own")
 
-# =====================================================================================
-# Model
-# =====================================================================================
+def optimizer_plan(model: nn.Module, world_size: int) -> dict:
+    """{parameter name: (optimizer group, how its update is normalised)}: what build_optimizers makes of the labels."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    plan = {}
+    for group, ps in normuon_groups([p for p in model.parameters() if p.treatment != "adam"], world_size)[0]:
+        for p in ps:
+            stats = "per row" if normuon_reduce_dim(p.treatment, p.shape) == -1 else "per column"
+            plan[names[id(p)]] = (f"NorMuon {group}", f"{p.treatment}, second moment {stats}")
+    for name, p in model.named_parameters():
+        if p.treatment == "adam":
+            plan[name] = (f"DistAdam {p.label}", f"adam, {rows_per_rank(p, world_size)} rows per rank")
+    return plan
 
-# How the optimizers treat a parameter, declared where it is made (set_optimizer_label): the label names its group.
-TREATMENTS = {
-    "matrix": "NorMuon, orthogonalised: one second moment per row (per column where the matrix is wider than tall)",
-    "qkvo": "NorMuon, a (4d, d) stack of Q, K, V and O, each orthogonalised on its own: one second moment per row",
-    "gate": "NorMuon, a gate's few rows: one second moment per row whatever its shape",
-    "adam": "DistAdam: Adam, its rows sharded over the ranks",
-}
-
-def set_optimizer_label(p: nn.Parameter, label: str, treatment: str, lr_mul: float = 1.0) -> nn.Parameter:
-    """p joins the optimizer group `label`, treated as TREATMENTS[treatment] says, at lr x lr_mul."""
-    if treatment not in TREATMENTS:
-        raise ConfigError(f"set_optimizer_label(..., {label!r}, {treatment!r}): the treatment is one of "
-                          + "; ".join(f"{k} ({v})" for k, v in TREATMENTS.items()))
-    p.label, p.treatment, p.lr_mul = label, treatment, lr_mul
-    return p
-
-GATE_INPUTS = 12  # a gate reads the first 12 channels of its input
-def gate_input(x: Tensor) -> Tensor:
-    return x[..., :GATE_INPUTS]
-
-def uniform_bound(dim: int) -> float:
-    """The half-width of the record's uniform initialisation of a (·, dim) matrix: sqrt(3)/2 / sqrt(dim)."""
-    return math.sqrt(3) * 0.5 * dim ** -0.5
-
-@dataclass(frozen=True)
-class LayerMap:
-    """Which block has attention, an MLP, the long window or a value embedding, and where the U-net skip and the
-    backout read and join: layer_map() derives it from the layer count, check() refuses one that cannot work."""
-    num_layers: int
-    no_attention: tuple     # blocks without attention (block 0 is empty: the trunk starts at block 1)
-    no_mlp: tuple
-    long_window: tuple      # blocks on the long attention window; the rest use the short one
-    value_embeds: tuple     # (block, table): the value-embedding table (of 3) block's attention adds
-    skip_from: int          # the U-net skip: block skip_from's output joins before block skip_to
-    skip_to: int
-    backout_from: int       # block whose output is backed out of the final hidden state
-    skip_weight: int = 1    # which skip weight that skip reads: the record's reads scalars[1], whatever skip_from
-
-    @property
-    def num_scalars(self) -> int:
-        """skip weights, block lambdas (x, x0) and attention lambdas (qkv, o) per block, then smear and backout."""
-        return 5 * self.num_layers + 2
-
-    def check(self) -> "LayerMap":
-        L, attention = self.num_layers, set(range(1, self.num_layers)) - set(self.no_attention)
-        problems = [f"{name} names block {b}, not one of 0..{L - 1}" for name in ("no_attention", "no_mlp",
-                    "long_window") for b in getattr(self, name) if not 0 <= b < L]
-        problems += [f"value_embeds gives block {b} table {t}, but block {b} has no attention or table {t} is not "
-                     "one of 0, 1, 2" for b, t in self.value_embeds if b not in attention or t not in (0, 1, 2)]
-        problems += [f"long_window names block {b}, which has no attention" for b in self.long_window
-                     if b not in attention and 0 <= b < L]
-        if not 1 <= self.skip_from < self.skip_to < L or not 1 <= self.backout_from < L:
-            problems.append(f"the skip {self.skip_from} -> {self.skip_to} and the backout from {self.backout_from} "
-                            f"must be blocks 1..{L - 1}, the skip forward")
-        if problems:
-            more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
-            raise ConfigError(f"--num-layers {L}: the layer map cannot work ({problems[0]}{more}): edit layer_map() "
-                              f"(its rule covers 9 layers or more), or pick another --num-layers")
-        return self
-
-    def line(self) -> str:
-        """The map, for the log."""
-        return (f"layers: {self.num_layers} blocks; no attention in {list(self.no_attention)}, no MLP in "
-                f"{list(self.no_mlp)}; long window in {list(self.long_window)}; value embeddings "
-                f"{', '.join(f'{b}<-{t}' for b, t in self.value_embeds)}; skip {self.skip_from} -> {self.skip_to}; "
-                f"backout from {self.backout_from}; {self.num_scalars} scalars")
-
-def layer_map(num_layers: int) -> LayerMap:
-    """The record's map (12 layers: skip 4 -> 7, backout 8, long windows 4 and 11, value embeddings in the first two
-    and last three blocks, block 7 MLP-only) as one rule of the layer count L."""
-    L = num_layers
-    skip_from, skip_to = L // 3, L // 2 + 1
-    return LayerMap(L, no_attention=(0, skip_to), no_mlp=(0,), long_window=(skip_from, L - 1),
-                    value_embeds=((1, 1), (2, 2), (L - 3, 0), (L - 2, 1), (L - 1, 2)), skip_from=skip_from,
-                    skip_to=skip_to, backout_from=2 * L // 3).check()
-
-class Yarn(nn.Module):
-    """The rotary tables (cos, sin) of the half-truncated rotary embedding, whose low frequencies are stretched (YaRN,
-    Bowen Peng et al.) when the attention window grows."""
-
-    def __init__(self, head_dim: int, max_seq_len: int):
-        super().__init__()
-        self.head_dim, self.max_seq_len = head_dim, max_seq_len
-        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2, dtype=torch.bfloat16), persistent=False)
-        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2, dtype=torch.bfloat16), persistent=False)
-        self.reset()
-
-    def reset(self):
-        n = self.head_dim // 4  # half the (x1, x2) pairs rotate, from 1 down to 1/1024 rad/token; the rest pass through
-        rotating = (1 / 1024) ** torch.linspace(0, 1, steps=n, dtype=torch.float32)
-        self.freqs = torch.cat([rotating, rotating.new_zeros(n)])
-        self.attn_scale = 0.1
-        self.window = None  # the long window the tables are stretched for; set by the first set_window()
-        self._write_tables()
-
-    def _write_tables(self):
-        theta = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float32), self.freqs)
-        with torch.no_grad():  # copy in place so compiled graphs keep pointing at the same buffers
-            self.cos.copy_(theta.cos())
-            self.sin.copy_(theta.sin())
-
-    def set_window(self, window: int):
-        """Stretch the tables for a new long attention window (the first call only records it)."""
-        if self.window is not None and window != self.window:
-            self.stretch(self.window, window)
-        self.window = window
-
-    def stretch(self, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0):
-        """Stretch the slow frequencies by old/new window (fast ones kept) and raise the softmax scale."""
-        turns = 128 * old_window * self.freqs / (2 * math.pi)
-        gamma = ((turns - alpha) / (beta - alpha)).clamp(0, 1)
-        ratio = old_window / new_window
-        self.freqs = self.freqs * (ratio + gamma * (1 - ratio))
-        self.attn_scale *= 1 + 0.2 * math.log(new_window / old_window)
-        self.window = new_window  # what set_window compares against, also after a direct call
-        self._write_tables()
-
-# --- the plain MLP and attention output, and their fused twins (quack-kernels GEMMs, Tri Dao et al.) -----------
-
-def mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
-    """The ReLU² MLP: relu(x w_fcᵀ)² w_proj, with w_fc and w_proj both stored (4d, d)."""
-    return F.relu(F.linear(x, w_fc)).square() @ w_proj
-
-def attention_output(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
-    """The attention's output projection added to the residual stream: residual + y wᵀ."""
-    return residual + F.linear(y, w)
-
-@functools.cache
-def quack_gemm():
-    """quack.gemm_interface (PyPI quack-kernels), imported on first use."""
-    import quack.gemm_interface as gemm_interface
-    return gemm_interface
-
-# quack's untuned Hopper default clusters two CTAs along M; the same 128x192 pingpong tile clustered along N is faster
-# for both fused MLP GEMMs on the trainer's shapes and bit-identical (same tile, same K order). Pinned, because
-# autotuning at start-up costs minutes of compiles. Other GPUs keep quack's default.
-QUACK_MLP_CONFIG_SM90 = dict(tile_m=128, tile_n=192, cluster_m=1, cluster_n=2, pingpong=True,
-                             is_dynamic_persistent=False)
-
-@functools.cache
-def quack_mlp_config(device_type: str, index: int | None):
-    """quack's GemmConfig for the MLP's fused GEMMs on this device, or None for quack's own default."""
-    if device_type != "cuda" or torch.cuda.get_device_capability(index)[0] != 9:
-        return None
-    from quack.gemm_config import GemmConfig
-    return GemmConfig(**QUACK_MLP_CONFIG_SM90, device_capacity=9)
-
-def quack_on_this_gpu():
-    if torch.cuda.get_device_capability()[0] not in (9, 10):
-        raise RuntimeError("its GEMM kernels need compute capability 9.x or 10.x (Hopper, Blackwell)")
-    return quack_gemm()
-
-# mlp's twin: the activation rides in the GEMM epilogues. The forward GEMM writes the pre-activation and ReLU² in
-# one pass; the backward's first GEMM multiplies by the derivative and recomputes ReLU² for the weight gradient in
-# the same pass (Inductor's version runs each as a separate pass over the (T, 4d) activation). The weight-gradient
-# GEMMs stay on cuBLAS.
-@torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
-def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
-    """(mlp(x, w_fc, w_proj), the pre-activation x w_fcᵀ) for x (T, d) and w_fc, w_proj (4d, d), all bf16."""
-    pre, h = quack_gemm().gemm_act(x, w_fc.mT, activation="relu_sq", tuned=False,
-                                   config=quack_mlp_config(x.device.type, x.device.index))
-    return h @ w_proj, pre
-
-@relu2_mlp.register_fake
-def _(x, w_fc, w_proj):
-    return x.new_empty(x.size(0), w_proj.size(1)), x.new_empty(x.size(0), w_fc.size(0))
-
-@torch.library.custom_op("speedrun::relu2_mlp_backward", mutates_args=())
-def relu2_mlp_backward(grad: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor,
-                       pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dw_fc, dw_proj). One fused GEMM gives d(pre) = (grad w_projᵀ)·2relu(pre) and h = relu(pre)²."""
-    grad = grad.contiguous()
-    dpre, h = quack_gemm().gemm_dact(grad, w_proj.mT, pre, activation="relu_sq", tuned=False,
-                                     config=quack_mlp_config(grad.device.type, grad.device.index))
-    return dpre @ w_fc, dpre.mT @ x, h.mT @ grad
-
-@relu2_mlp_backward.register_fake
-def _(grad, x, w_fc, w_proj, pre):
-    return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
-
-def _relu2_mlp_setup_context(ctx, inputs, output):
-    x, w_fc, w_proj = inputs
-    ctx.save_for_backward(x, w_fc, w_proj, output[1])
-
-def _relu2_mlp_backward_rule(ctx, grad_out, _grad_pre):
-    return torch.ops.speedrun.relu2_mlp_backward(grad_out, *ctx.saved_tensors)
-
-relu2_mlp.register_autograd(_relu2_mlp_backward_rule, setup_context=_relu2_mlp_setup_context)
-
-def fused_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
-    return torch.ops.speedrun.relu2_mlp(x, w_fc, w_proj)[0]
-
-# attention_output's twin: Inductor turns it into an addmm, for which ATen first copies the residual into the output
-# and has cuBLAS read it back; quack's gemm_add reads the residual in its epilogue instead.
-@torch.library.custom_op("speedrun::residual_linear", mutates_args=())
-def residual_linear(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
-    return quack_gemm().gemm_add(y, w.mT, residual, tuned=False)
-
-@residual_linear.register_fake
-def _(residual, y, w):
-    return torch.empty_like(residual)
-
-def _residual_linear_setup_context(ctx, inputs, output):
-    _, y, w = inputs
-    ctx.save_for_backward(y, w)
-
-def _residual_linear_backward(ctx, grad):
-    y, w = ctx.saved_tensors
-    return grad, grad @ w, grad.t() @ y
-
-residual_linear.register_autograd(_residual_linear_backward, setup_context=_residual_linear_setup_context)
-
-def fused_attention_output(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
-    return torch.ops.speedrun.residual_linear(residual, y, w)
-
-# --- which function the model calls: the plain one, or its fused twin ---------------------------------------------
-# A speedrunner edits the plain functions. Each fused kernel computes what its plain function computed when the
-# kernel was written, recorded as a fingerprint of that function's code (and of the plain helpers it follows): an
-# edit changes the fingerprint, and the fused kernel then refuses to run instead of silently ignoring the edit.
-# Constants the kernels take as arguments (SOFTCAP up to 60, SOFTCAP_WIDTH, the Yarn tables) may change freely.
-
-def code_fingerprint(*functions) -> str:
-    """A short hash of the functions' code without docstrings and comments (ast.unparse normalises the layout)."""
-    parts = []
-    for fn in functions:
-        tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(fn)))
-        body = tree.body[0].body
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-            tree.body[0].body = body[1:] or [ast.Pass()]
-        parts.append(ast.unparse(tree))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
-
-def needs_cuda_triton(fp8: bool = True):
-    if triton is None or not torch.cuda.is_available() or not fp8:
-        raise RuntimeError("it is the FP8 head's Triton kernels: it needs a CUDA GPU and FP8 on (--fp8)")
-    if not 0 < SOFTCAP <= 60:  # its log-sum-exp skips the max pass: 50304·e^SOFTCAP must fit fp32
-        raise RuntimeError(f"its log-sum-exp has no max pass and overflows fp32 past SOFTCAP 60 (it is {SOFTCAP})")
-
-@dataclass(frozen=True)
-class FusedKernel:
-    plain: object          # the function a speedrunner edits
-    fused: object          # its drop-in replacement
-    follows: tuple         # the plain functions whose code the fused kernel computes
-    fingerprint: str       # code_fingerprint(*follows) when the fused kernel was last checked against it
-    check_here: object     # check_here(fp8) raises where the fused kernel cannot run (no GPU, library missing)
-
-FUSED_KERNELS = {}  # name -> FusedKernel, each registered beside its fused kernel
-
-FUSED_KERNELS["attention"] = FusedKernel(attention, fused_attention, (attention, rotary, norm, flash_attention,
-                                                                      scale_and_window), "beb42ed1db10",
-                                         lambda fp8: fa4_on_this_gpu())
-
-FUSED_KERNELS["mlp"] = FusedKernel(mlp, fused_mlp, (mlp,), "20ac2a6cca4e", lambda fp8: quack_on_this_gpu())
-
-FUSED_KERNELS["attention_output"] = FusedKernel(attention_output, fused_attention_output, (attention_output,),
-                                                "996f8d18f3cd", lambda fp8: quack_on_this_gpu())
-
-FUSED_KERNELS["lm_head_loss"] = FusedKernel(lm_head_loss, fused_lm_head_loss, (lm_head_loss, softcap, lm_head_fp8),
-                                            "711468e47622", needs_cuda_triton)
-
-def parse_kernels(text: str) -> set | None:
-    """The fused kernels --kernels asks for (fused: all, plain: none), or None where it names something else."""
-    if text in ("fused", "plain"):
-        return set(FUSED_KERNELS) if text == "fused" else set()
-    names = {n.strip() for n in text.split(",") if n.strip()}
-    return names if names and names <= set(FUSED_KERNELS) else None
-
-def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]:
-    """({name: function the model calls}, notes for the log): `fused` takes each fused kernel that runs here, a listed
-    one must run. A fused kernel that would run but whose plain functions were edited is an error (it would compute
-    the old ones); one that cannot run here is no reason to refuse an edit."""
-    explicit = requested != "fused"
-    chosen, notes = {}, []
-    for name, kernel in FUSED_KERNELS.items():
-        chosen[name] = kernel.plain
-        if name not in parse_kernels(requested):
-            continue
-        try:
-            if device != "cuda":
-                raise RuntimeError("it needs a CUDA GPU")
-            kernel.check_here(fp8)
-        except Exception as e:
-            if explicit:
-                raise ConfigError(f"--kernels: the fused {name} kernel cannot run here ({type(e).__name__}: {e}); "
-                                  f"leave it out of --kernels, use --kernels plain, or ./run.sh setup-gpu for "
-                                  f"FlashAttention-4 and quack") from None
-            if device == "cuda":
-                notes.append(f"kernels: plain {name} ({e})")
-            continue
-        if code_fingerprint(*kernel.follows) != kernel.fingerprint:
-            edited = ", ".join(fn.__name__ for fn in kernel.follows)
-            raise ConfigError(f"the fused {name} kernel computes {edited} as written when it was made, and that code "
-                              f"has changed: run with --kernels plain (or leave {name} out of --kernels), or update "
-                              f"the fused kernel and FUSED_KERNELS['{name}'].fingerprint")
-        chosen[name] = kernel.fused
-    if requested == "fused" and device != "cuda":
-        notes.append(f"kernels: no fused kernel runs on the {device}: the plain functions, as --kernels plain")
-    return chosen, notes
-
-class Documents(typing.NamedTuple):
-    """What attention needs to know of a packed micro-batch: where its documents start (cu_seqlens), the longest
-    one, the windows' table (GPT.window_table) and the rotary tables."""
-    cu_seqlens: Tensor
-    max_seqlen: int
-    window_table: Tensor
-    cos: Tensor
-    sin: Tensor
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int):
-        super().__init__()
-        self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
-        # One stacked fp32 matrix: rows [0, 3d) are Wq, Wk, Wv and rows [3d, 4d) are Wo, all (out, in).
-        self.qkvo_w = set_optimizer_label(nn.Parameter(torch.empty(4 * dim, dim)), "attn", "qkvo")
-        bound = uniform_bound(dim)
-        with torch.no_grad():
-            self.qkvo_w[:3 * dim].uniform_(-bound, bound)
-            self.qkvo_w[3 * dim:].zero_()
-        # Sparse gate: one sigmoid per head and token, read off the first channels of the block input.
-        self.attn_gate = nn.Linear(GATE_INPUTS, num_heads, bias=False)
-        nn.init.zeros_(self.attn_gate.weight)
-        set_optimizer_label(self.attn_gate.weight, "attn_gate", "gate")
-
-    def forward(self, x: Tensor, residual: Tensor, ve: Tensor | None, sa_lambdas: Tensor, docs: "Documents",
-                window_row: int, kernels: dict) -> Tensor:
-        """residual + attention(x): x is the normed block input, residual the block input, window_row which of
-        docs' windows (0: short, 1: long)."""
-        T, d = x.shape
-        w = self.qkvo_w.type_as(x)
-        # sa_lambdas are folded into the weights (a 768x2304 multiply is cheaper than a T x 2304 one).
-        qkv = F.linear(x, sa_lambdas[0] * w[:3 * d]).view(T, 3 * self.num_heads, self.head_dim)
-        ve = None if ve is None else ve.view(T, self.num_heads, self.head_dim)
-        y = kernels["attention"](qkv, ve, docs.cos, docs.sin, docs.cu_seqlens, docs.max_seqlen, docs.window_table,
-                                 window_row)
-        y = y * torch.sigmoid(F.linear(gate_input(x), self.attn_gate.weight)).unsqueeze(-1)
-        return kernels["attention_output"](residual, y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
-
-class MLP(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        # Both stored (4d, d): h = x @ c_fc.T, out = h @ c_proj (same function as the untransposed record).
-        self.c_fc = set_optimizer_label(nn.Parameter(torch.empty(4 * dim, dim)), "mlp", "matrix", lr_mul=1.0)
-        self.c_proj = set_optimizer_label(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", "matrix", lr_mul=2.0)
-        bound = uniform_bound(dim)
-        with torch.no_grad():
-            self.c_fc.uniform_(-bound, bound)
-
-    def forward(self, x, kernels):
-        return kernels["mlp"](x, self.c_fc.type_as(x), self.c_proj.type_as(x))
-
-class Block(nn.Module):
-    def __init__(self, layer: int, layers: LayerMap, dim: int, num_heads: int, head_dim: int):
-        super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim) if layer not in layers.no_attention else None
-        self.mlp = MLP(dim) if layer not in layers.no_mlp else None
-
-class GPT(nn.Module):
-    def __init__(self, args: Hyperparameters, max_seq_len: int, kernels: dict = None, fp8: bool = False):
-        """max_seq_len: longest packed micro-batch (rotary tables); kernels: {name: function} from resolve_kernels
-        (default: every plain function); fp8: FP8 lm_head in training."""
-        super().__init__()
-        d, L = args.model_dim, args.num_layers
-        self.layers = layer_map(L)
-        self.kernels = kernels or {name: k.plain for name, k in FUSED_KERNELS.items()}
-        self.vocab_size = next_multiple_of(args.vocab_size, 128)
-        self.block_size = args.block_size
-        self.embed = nn.Embedding(self.vocab_size, d)
-        self.smear_gate = nn.Linear(GATE_INPUTS, 1, bias=False)
-        nn.init.zeros_(self.smear_gate.weight)
-        self.value_embeds = nn.ModuleList([nn.Embedding(self.vocab_size, d) for _ in range(3)])
-        self.blocks = nn.ModuleList([Block(i, self.layers, d, args.num_heads, args.head_dim) for i in range(L)])
-        self.yarn = Yarn(args.head_dim, max_seq_len)
-        self.lm_head = LMHead(d, self.vocab_size, self.kernels["lm_head_loss"], fp8)
-        for m in self.modules():  # embeddings, gates and lm_head live in bf16; the big matrices stay fp32
-            if isinstance(m, (nn.Embedding, nn.Linear)):
-                m.bfloat16()
-        self.scalars = nn.Parameter(torch.cat([         # layers.num_scalars of them
-            torch.full((L,), -1.5),                     # skip weights (sigmoid(-1.5) ~ 0.18)
-            torch.tensor([1.1, 0.0]).repeat(L),         # block lambdas (x, x0)
-            torch.tensor([0.5, 1.0]).repeat(L),         # SA lambdas (qkv, o)
-            torch.tensor([0.0, 0.5])]))                 # smear lambda, backout lambda
-        set_optimizer_label(self.embed.weight, "embed", "adam", 75.0)
-        set_optimizer_label(self.smear_gate.weight, "smear_gate", "gate")
-        for ve in self.value_embeds:
-            set_optimizer_label(ve.weight, "value_embed", "adam", 75.0)
-        set_optimizer_label(self.lm_head.weight, "lm_head", "adam", 1.0)
-        set_optimizer_label(self.scalars, "scalars", "adam", 5.0)
-        self._trunk, self._head, self.is_compiled = self.trunk, self.head, False  # see compile_regions()
-
-    def compile_regions(self, **options):
-        """torch.compile the trunk and the head as two regions: the head's backward finishes first, so lm_head's
-        gradient hook (DistAdam's biggest reduce-scatter) fires while the trunk's backward still computes."""
-        self._trunk = torch.compile(self.trunk, **options)
-        self._head = torch.compile(self.head, **options)
-        self.is_compiled = True
-
-    # CUDA graphs: a training micro-batch is recorded once and replayed, so a Python number read here (an attribute,
-    # a global, a schedule value) is frozen at its value at capture. A value that changes during training reaches the
-    # replays only as a tensor the graph reads (as the window table and the loss's divisor do) or as an entry of
-    # MicroBatchGraphs.key(), which then captures one graph per value.
-    def forward(self, input_seq: Tensor, target_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
-                max_seqlen: int) -> Tensor:
-        """The loss: summed over tokens in training, the mean in evaluation."""
-        window_table = self.window_table(ws_short, ws_long)
-        if self.is_compiled:  # one graph for every micro-batch length (and cu_seqlens length)
-            for t in (input_seq, target_seq, cu_seqlens):
-                torch._dynamo.mark_dynamic(t, 0)
-        x = self._trunk(input_seq, cu_seqlens, window_table, max_seqlen)
-        if self.training:
-            return self._head(self.dynamic(x), target_seq)
-        chunks = zip(x.split(EVAL_HEAD_CHUNK), target_seq.split(EVAL_HEAD_CHUNK))
-        return sum(self._head(self.dynamic(xc), self.dynamic(tc)) for xc, tc in chunks) / target_seq.numel()
-
-    def dynamic(self, t: Tensor) -> Tensor:
-        if self.is_compiled:
-            torch._dynamo.mark_dynamic(t, 0)
-        return t
-
-    def window_table(self, ws_short: int, ws_long: int) -> Tensor:
-        """Rows [softmax scale, window in tokens] of the short and the long window: a fresh CPU tensor per call (data
-        to the compiled graph, saved as is for the backward)."""
-        scale, bs = self.yarn.attn_scale, self.block_size
-        return torch.tensor(((scale, ws_short * bs), (scale, ws_long * bs)), dtype=torch.float64)
-
-    def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, window_table: Tensor, max_seqlen: int) -> Tensor:
-        """Embeddings and blocks: the normalised final hidden state (T, d)."""
-        L = len(self.blocks)
-        layers = self.layers
-        skip_w = self.scalars[:L]           # one per layer; only the U-net skip's (layers.skip_weight) is read
-        lambdas = self.scalars[L:3 * L].view(L, 2)
-        sa_lambdas = self.scalars[3 * L:5 * L].view(L, 2)
-        smear_lambda, backout_lambda = self.scalars[5 * L], self.scalars[5 * L + 1]
-
-        ve = tuple(emb(input_seq) for emb in self.value_embeds)
-        x = self.embed(input_seq)
-        # Smear: mix a gated copy of the previous token's embedding into each position (1-token look-back).
-        gate = smear_lambda * torch.sigmoid(F.linear(gate_input(x[1:]), self.smear_gate.weight))
-        x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
-        x = x0 = norm(x)
-        docs = Documents(cu_seqlens, max_seqlen, window_table, self.yarn.cos, self.yarn.sin)
-        skip = backout = None
-        for i in range(1, L):  # block 0 is empty
-            block = self.blocks[i]
-            if i == layers.skip_to:
-                x = x + torch.sigmoid(skip_w[layers.skip_weight]) * skip
-            x = lambdas[i, 0] * x + lambdas[i, 1] * x0
-            if block.attn is not None:
-                window_row = 1 if i in layers.long_window else 0
-                v = ve[dict(layers.value_embeds)[i]] if i in dict(layers.value_embeds) else None
-                x = block.attn(norm(x), x, v, sa_lambdas[i], docs, window_row, self.kernels)
-            if block.mlp is not None:
-                x = x + block.mlp(norm(x), self.kernels)
-            if i == layers.skip_from:
-                skip = x
-            if i == layers.backout_from:
-                backout = x
-        return norm(x - backout_lambda * backout)
-
-    def head(self, x: Tensor, target_seq: Tensor) -> Tensor:
-        return self.lm_head(x, target_seq)
-
-def next_multiple_of(x: int, n: int) -> int:
-    return -(-x // n) * n
+def build_optimizers(model: GPT, args: Hyperparameters):
+    """NorMuon for the matrices and gates, DistAdam for the rest, by each parameter's label (set_optimizer_label)."""
+    check_optimizer_labels(model, world_sizes=(_dist_world()[0],))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_params = [p for p in model.parameters() if p.treatment != "adam"]
+    muon_params.sort(key=lambda p: p.treatment == "gate")  # matrices first, then the gates
+    adam_params = [p for p in model.parameters() if p.treatment == "adam"]
+    adam = DistAdam(adam_params, lr=args.adam_lr, betas=args.adam_betas, eps=args.adam_eps)
+    muon = NorMuon(muon_params, lr=args.muon_lr, weight_decay=args.muon_weight_decay,
+                   momentum=args.muon_momentum_warmup[0], beta2=args.muon_beta2, orthogonalizer=args.orthogonalizer)
+    muon.names = [names[id(p)] for p in muon_params]
+    for opt in (adam, muon):
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return adam, muon
 
 
 # =====================================================================================
@@ -2391,6 +1691,62 @@ def validation_batches(path, val_batch_size: int, val_tokens: int, grad_accum_st
         cu = pack_cu_seqlens(lengths, num_tokens, max_docs)
         yield to_device((inputs.to(torch.int32), buf[1:].to(torch.int64), cu), device)
 
+def tokens_needed(args: Hyperparameters) -> int:
+    """Training tokens the whole schedule consumes: each stage's batch size times its steps."""
+    table, total = stages(args), args.num_iterations
+    ends = [s.first_step for s in table[1:]] + [total]
+    return sum(s.batch_size * max(0, min(end, total) - s.first_step) for s, end in zip(table, ends))
+
+def find_data(args: Hyperparameters, runtime: "Runtime", scan: bool = True):
+    """Check the data before any process group exists or any file is written. Every rank reads the same shards, so a
+    problem is a ConfigError (reported once, by rank 0). scan: every token of every shard too (not where ./run.sh
+    launch has run --check before the workers, or once more when build_trainer looks the shards up again)."""
+    folder = Path(args.data_path)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--data-path {folder} is a file: give the folder that holds the shards")
+    if not folder.is_dir():
+        raise ConfigError(f"data folder {folder} does not exist: run `python data/cached_fineweb10B.py 9` "
+                          "(FineWeb) or `./run.sh proxy` and pass --data-path data/proxy")
+    # The folder is taken literally (its '[', '*' or '?' are no pattern); the file patterns are globs inside it.
+    train_files = sorted(glob.glob(os.path.join(glob.escape(str(folder)), args.train_files)))
+    val_files = sorted(glob.glob(os.path.join(glob.escape(str(folder)), args.val_files)))
+    if not train_files or not val_files:
+        raise ConfigError(f"no {'training' if not train_files else 'validation'} shards matching "
+                          f"{folder / (args.train_files if not train_files else args.val_files)}: "
+                          "download or build them first (see README)")
+    real_val = {os.path.realpath(f): f for f in val_files}
+    both = [f for f in train_files if os.path.realpath(f) in real_val]
+    if both:
+        raise ConfigError(f"{both[0]} matches both --train-files {args.train_files!r} and --val-files "
+                          f"{args.val_files!r}: training on the validation data would void the metric; narrow them")
+    try:
+        if scan:
+            shards = [scan_shard(f, args.vocab_size) for f in train_files]
+            train_tokens = sum(n for n, _ in shards)
+            val_tokens = scan_shard(val_files[0], args.vocab_size)[0]
+        else:
+            train_tokens = sum(read_shard_header(f) for f in train_files)
+            val_tokens = read_shard_header(val_files[0])
+    except ShardError as e:
+        raise ConfigError(str(e)) from None
+    needed = tokens_needed(args)
+    if train_tokens * args.train_epochs < needed:
+        raise ConfigError(f"too little training data: the schedule consumes {needed:,} tokens but "
+                          f"{len(train_files)} shard(s) x {args.train_epochs} epoch(s) hold "
+                          f"{train_tokens * args.train_epochs:,}; add shards or raise --train-epochs")
+    if val_tokens < args.val_tokens + 1:
+        raise ConfigError(f"validation shard {val_files[0]} holds {val_tokens:,} tokens, fewer than "
+                          f"--val-tokens {args.val_tokens:,} + 1: lower --val-tokens (and --val-batch-size)")
+    for bs in (*args.train_bs_schedule, args.train_bs_extension, args.val_batch_size):
+        tokens_per_micro_batch(bs, runtime.grad_accum_steps, runtime.world_size)
+    out_at = data_runs_out_at(args, runtime, shards) if scan else None
+    if out_at is not None:
+        raise ConfigError(f"too little training data: taking whole documents for each micro-batch (cut at "
+                          f"--train-max-seq-len {args.train_max_seq_len}), the loader runs out at step {out_at} of "
+                          f"{args.num_iterations} with {len(train_files)} shard(s) x {args.train_epochs} epoch(s); add "
+                          "shards or raise --train-epochs")
+    return train_files, val_files[0]
+
 
 # =====================================================================================
 # Schedules
@@ -2479,7 +1835,1463 @@ def schedule_line(step: int, args: Hyperparameters) -> str:
 
 
 # =====================================================================================
-# Training loop
+# The training step and loop
+# =====================================================================================
+
+@dataclass(frozen=True)
+class RunResult:
+    steps: int
+    val_loss: float           # the final validation's
+    train_time_ms: float      # the timed loop's clock at the final validation
+
+TARGET_VAL_LOSS = 3.28
+
+def summary_line(args: Hyperparameters, runtime: "Runtime", result: RunResult) -> str:
+    """The log's last line: what a reader (or records/compare.py) wants first."""
+    reached = "reached" if result.val_loss <= TARGET_VAL_LOSS else "not reached"
+    allocated, reserved, pool = peak_memory(runtime.device)
+    memory = (f"peak_memory {allocated} MiB allocated, {reserved} MiB reserved ({pool} MiB graphs' pool)"
+              if runtime.device == "cuda" else "peak_memory n/a (cpu)")
+    return (f"summary: val_loss {result.val_loss:.4f} at step {result.steps}, train_time "
+            f"{result.train_time_ms / 1000:.3f}s, step_avg {result.train_time_ms / max(result.steps, 1):.2f}ms, "
+            f"{memory}, target {TARGET_VAL_LOSS} {reached}")
+
+class RunStopped(BaseException):
+    """The run ends early with a message for the log's last line and an exit status (no traceback). Not an Exception,
+    as KeyboardInterrupt is not: raised from a signal handler, it must pass through library code that catches those
+    (a lazy import of Dynamo does)."""
+    status = 1
+
+    def last_line(self, where: str) -> str:
+        return str(self)
+
+class TrainingDiverged(RunStopped):
+    status = 3
+
+class Interrupted(RunStopped):
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.status = 128 + signum
+
+    def last_line(self, where: str) -> str:
+        return f"{self} {where}"
+
+class GraphsDiffer(RunStopped):
+    """--cuda-graphs check: a CUDA graph's loss differs from the same micro-batch's eager loss."""
+    status = 2
+
+class PeerGone(RunStopped):
+    """A collective failed because another rank ended: that rank's own output (or the launcher) says why."""
+    status = 5
+
+    def last_line(self, where: str) -> str:
+        return f"stopped {where}: another rank has ended (a collective failed)"
+
+class LauncherDied(RunStopped):
+    """The process that started this worker died (LAUNCHER_DIED, the parent-death signal)."""
+    status = 128 + LAUNCHER_DIED
+
+    def last_line(self, where: str) -> str:
+        return f"stopped {where}: the launcher died"
+
+class BatchStream:
+    """The data generator, primed on first use."""
+    def __init__(self, generator):
+        self.generator, self.started = generator, False
+
+    def get(self, settings=None):
+        if not self.started:
+            self.started = True
+            return next(self.generator)  # the generator was created with the first settings
+        return self.generator.send(settings)
+
+@dataclass
+class Trainer:
+    args: Hyperparameters
+    runtime: "Runtime"
+    model: GPT                 # compiled per region (GPT.compile_regions) or plain
+    adam: object
+    muon: object
+    train_files: list
+    val_file: str
+    log: "Logger"
+    graphs: "MicroBatchGraphs" = None   # --cuda-graphs: the training micro-batches as CUDA graphs
+
+    def console(self, text: str):
+        if self.log.master:
+            print(text, flush=True)
+
+    def new_batches(self, batch_size: int) -> BatchStream:
+        a, r = self.args, self.runtime
+        return BatchStream(distributed_data_generator(self.train_files, batch_size, a.train_max_seq_len,
+                                                      r.grad_accum_steps, r.rank, r.world_size, a.train_epochs,
+                                                      r.device))
+
+    def train_step(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
+                   micro_batches: int) -> Tensor:
+        """One training step: every micro-batch's forward and backward, the gradients summed in .grad, then the
+        optimizers. NorMuon steps every step; DistAdam every other step, on the gradients summed over two steps (on
+        those steps the last backward's gradient hooks start its reduce-scatters). settings: the data generator's
+        new (batch size, ...) at a stage switch, else None. Returns the last micro-batch's loss."""
+        adam_steps = step % 2 == 1
+        for micro in range(micro_batches):
+            batch = batches.get(settings if micro == 0 else None)
+            self.adam.should_sync = adam_steps and micro == micro_batches - 1
+            loss = self.micro_batch(batch, ws_short, ws_long, micro_batches)
+        self.adam.should_sync = False
+        if adam_steps:
+            self.adam.step()
+        self.muon.step()
+        (self.model if adam_steps else self.muon).zero_grad(set_to_none=True)
+        return loss
+
+    def graphs_against_eager(self, step: int, stage: "Stage") -> None:
+        """--cuda-graphs check, at a stage's first step: one of its micro-batches replayed as its CUDA graph and run
+        eagerly, from the same weights. A value the forward reads that has changed since the capture (a Python
+        number is frozen into the graph) makes their losses differ: the run stops, saying so. The gradients and
+        the data stream are left as they were."""
+        batch = self.new_batches(stage.batch_size).get()
+        params = list(self.model.parameters())
+        before = [None if p.grad is None else p.grad.clone() for p in params]
+        n = self.runtime.grad_accum_steps
+        graphed = self.graphs.run(batch, stage.ws_short, stage.ws_long, n, self.forward_backward).clone()
+        eager = self.forward_backward(*batch, stage.ws_short, stage.ws_long, n)
+        for p, g in zip(params, before):
+            if g is None or p.grad is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)
+        if not torch.equal(graphed, eager):
+            raise GraphsDiffer(f"stopped at step {step}: {stage.name}'s CUDA graph gives loss {graphed.item():.6f} "
+                               f"and eager {eager.item():.6f}: the forward reads a value that changed since the graphs "
+                               f"were captured (README: Changing the model)")
+        self.log(f"cuda graphs check: {stage.name} at step {step}: graph and eager loss {eager.item():.6f}",
+                 console=False)
+
+    def micro_batch(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int) -> Tensor:
+        """One micro-batch's forward and backward: its CUDA graph replayed, or run eagerly. Returns its loss."""
+        if self.graphs is not None:
+            return self.graphs.run(batch, ws_short, ws_long, micro_batches, self.forward_backward)
+        return self.forward_backward(*batch, ws_short, ws_long, micro_batches)
+
+    def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor) -> Tensor:
+        """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward. Returns
+        the loss, detached."""
+        with self.cpu_gemms():
+            loss = self.model(inputs, targets, cu_seqlens, ws_short, ws_long, self.args.train_max_seq_len)
+            (loss / divisor).backward()
+        return loss.detach()
+
+    def cpu_gemms(self):
+        """Where the model's GEMMs run in fp32 (a CPU without native bf16 GEMMs), else nothing."""
+        return bf16_gemms_in_fp32() if self.runtime.bf16_gemms_in_fp32 else contextlib.nullcontext()
+
+    def set_schedules(self, step: int):
+        lr = get_lr(step, self.args)
+        for opt in (self.adam, self.muon):
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * lr
+        for group in self.muon.param_groups:
+            group["momentum"] = get_muon_momentum(step, self.args)
+
+    @torch.no_grad()
+    def evaluate(self, ws_short: int, ws_long: int, max_steps: int = None) -> float:
+        a, r = self.args, self.runtime
+        self.model.eval()
+        num_tokens = tokens_per_micro_batch(a.val_batch_size, r.grad_accum_steps, r.world_size)
+        total, steps = torch.zeros((), device=r.device), 0
+        for inputs, targets, cu_seqlens in validation_batches(self.val_file, a.val_batch_size, a.val_tokens,
+                                                              r.grad_accum_steps, r.rank, r.world_size, r.device):
+            with self.cpu_gemms():
+                total += self.model(inputs, targets, cu_seqlens, ws_short, ws_long, num_tokens)
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                break
+        total /= steps
+        if dist.is_initialized():
+            dist.all_reduce(total)  # SUM then divide: gloo has no AVG all-reduce
+            total /= r.world_size
+        self.model.train()
+        return total.item()
+
+    def warm_up_kernels(self):
+        """Untimed: each stage eagerly (it compiles and makes every lazily made state), then with CUDA graphs each
+        stage again, captured into the graphs' pool after the eager blocks are released (so they never hold memory
+        at the same time), then every validation window; last, the initial weights and optimizer states return."""
+        a = self.args
+        self.warm_up_times = []  # (label, seconds): where the cold start goes
+        initial = copy.deepcopy(dict(model=self.model.state_dict(),
+                                     opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
+        graphs, self.graphs = self.graphs, None
+        passes = [("eager", 2)] + ([("graphs", a.warmup_steps_per_stage)] if graphs is not None else [])
+        for kind, steps in passes:
+            self.graphs = graphs if kind == "graphs" else None
+            batches = self.new_batches(stages(a)[0].batch_size)
+            for stage in stages(a):
+                t = time.time()
+                self.model.yarn.set_window(stage.ws_long)
+                for k in range(steps):
+                    self.train_step(k, batches, (stage.batch_size, a.train_max_seq_len, self.runtime.grad_accum_steps),
+                                    stage.ws_short, stage.ws_long, micro_batches=1)
+                synchronize(self.runtime.device)
+                seconds = time.time() - t
+                self.warm_up_times.append((f"train {kind} batch {stage.batch_size} window {stage.ws_long}", seconds))
+                self.console(f"warm-up: {kind} train steps for batch {stage.batch_size}, window {stage.ws_long}: "
+                             f"{seconds:.1f}s ({compiled_graph_count()} graphs compiled so far)")
+            self.model.zero_grad(set_to_none=True)
+            self.model.yarn.reset()
+            if self.runtime.device == "cuda":
+                torch.cuda.empty_cache()  # this pass's cached blocks: the next pass allocates elsewhere
+        if graphs is not None:
+            self.log(f"CUDA graphs: {graphs.captures} training micro-batches captured, memory pool "
+                     f"{CudaGraph.pool_bytes() / 2**30:.2f} GiB")
+        windows = eval_windows(a)
+        for i, (short, long) in enumerate(windows):
+            if i < len(windows) - 1:  # the final validation widens the window without a YaRN update
+                self.model.yarn.set_window(long)
+            t = time.time()
+            self.evaluate(short, long, max_steps=1)
+            seconds = time.time() - t
+            self.warm_up_times.append((f"eval windows {short},{long}", seconds))
+            self.console(f"warm-up: eval for windows ({short}, {long}): {seconds:.1f}s "
+                         f"({compiled_graph_count()} graphs compiled so far)")
+        self.model.train()
+        self.model.yarn.reset()
+        self.muon.reset()
+        self.model.load_state_dict(initial["model"])
+        for opt, state in zip((self.adam, self.muon), initial["opts"]):
+            opt.load_state_dict(state)
+
+    def train(self) -> "RunResult":
+        """The timed run: per step the stage's batch size and windows, a validation where due (off the clock), the
+        schedules, then train_step. Nothing may compile in here: the warm-up compiled every graph."""
+        a, log = self.args, self.log
+        total = a.num_iterations
+        table = stages(a)
+        batches = self.new_batches(table[0].batch_size)
+        previous_bs = table[0].batch_size
+        switch_steps = {s.first_step for s in table if s.first_step < total}
+        watch = NonFiniteLossWatch(self.runtime.device, self.runtime.master)
+        training_time_ms = 0.0
+        gc.collect()  # no stop-the-world gen-2 collection in the timed region
+        synchronize(self.runtime.device)
+        t0 = time.perf_counter()
+        with no_compiles_allowed(a.fail_on_recompile):
+            for step in range(total + 1):
+                log.where = f"at step {step}"
+                last = step == total
+                stage = table[stage_index(step, a)]
+                ws_short, ws_long = stage.ws_short, stage.ws_long
+                if step in switch_steps:
+                    log(schedule_line(step, a))
+                self.model.yarn.set_window(ws_long)
+                validate = last or (a.val_loss_every > 0 and step % a.val_loss_every == 0)
+                check_graphs = self.runtime.check_graphs and step in switch_steps
+                if validate or check_graphs:  # off the clock
+                    synchronize(self.runtime.device)
+                    if step > 0:  # before step 0 nothing has trained: a slow log write is not training time
+                        training_time_ms += 1000 * (time.perf_counter() - t0)
+                    if validate:
+                        eval_long = a.ws_validate_post_yarn_ext if last else ws_long  # the final: no YaRN update
+                        val_loss = self.evaluate(ws_short, eval_long)
+                        if not math.isfinite(val_loss):
+                            raise TrainingDiverged(f"stopped at step {step}: the validation loss is {val_loss}")
+                        log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
+                            f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+                    if check_graphs and not last:
+                        self.set_schedules(step)
+                        self.graphs_against_eager(step, stage)
+                    synchronize(self.runtime.device)
+                    t0 = time.perf_counter()
+                if last:
+                    break
+                bs = stage.batch_size
+                settings = (bs, a.train_max_seq_len, self.runtime.grad_accum_steps) if bs != previous_bs else None
+                previous_bs = bs
+                self.set_schedules(step)
+                loss = self.train_step(step, batches, settings, ws_short, ws_long, self.runtime.grad_accum_steps)
+                watch.after_step(step, loss)
+                approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
+                log(f"step:{step + 1}/{total} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
+        log.where = "after the last step"
+        return RunResult(steps=total, val_loss=val_loss, train_time_ms=training_time_ms)
+
+RECOMPILE_LIMIT = 64  # graphs per code object (a train and an eval graph each; a few more for tests)
+
+def build_model_and_optimizers(args: Hyperparameters, runtime: "Runtime"):
+    """The model on this process's device (rank 0's initialisation on every rank, compiled per region) and its two
+    optimizers."""
+    max_seq_len = max(tokens_per_micro_batch(bs, runtime.grad_accum_steps, runtime.world_size)
+                      for bs in (args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension))
+    model = GPT(args, max_seq_len=max_seq_len, kernels=runtime.kernels,
+                fp8=runtime.fp8).to(runtime.device)
+    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    if runtime.compile:
+        model.compile_regions(dynamic=False, fullgraph=True)
+    if dist.is_initialized():
+        for p in model.parameters():  # every rank starts from rank 0's initialisation
+            dist.broadcast(p.detach(), 0)
+    adam, muon = build_optimizers(model, args)
+    if runtime.compile:
+        muon.compile_helpers()
+        adam.compile_helpers()
+    return model, adam, muon
+
+def build_trainer(args: Hyperparameters, runtime: "Runtime", log_file: Path, replace_log: bool = False) -> "Trainer":
+    """Everything a run needs, in one place (run() and bench/bench.py both call this): data and output paths checked
+    first, then the process group, the model and optimizers, and last the log with its header."""
+    train_files, val_file = find_data(args, runtime, scan=False)
+    check_writable(log_file.parent, "--log-dir")
+    lock = RunLock.acquire(log_file) if runtime.master else None  # the run id is this run's from here to the end
+    setup_process_group(runtime)
+    if args.seed >= 0:
+        torch.manual_seed(args.seed)
+    model, adam, muon = build_model_and_optimizers(args, runtime)
+    log = Logger(log_file, runtime.master, replace=replace_log, lock=lock)
+    if runtime.master:
+        print(log.path, flush=True)
+    log(Path(__file__).read_text(), console=False)
+    log(SEPARATOR, console=False)
+    log(f"Running Python {sys.version}", console=False)
+    log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}", console=False)
+    log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
+    log(runtime.config_line(args), console=False)
+    log(model.layers.line(), console=False)
+    for note in (*runtime.kernel_notes, muon.grouping_note):
+        if note:
+            log(note)
+    if args.train_epochs > 1:
+        log(f"note: the loader cycles over the training shards {args.train_epochs} times (--train-epochs)")
+    log(nvidia_smi(), console=False)
+    log(SEPARATOR, console=False)
+    graphs = MicroBatchGraphs(model, adam, muon.grad_buffers, writes_first=runtime.grad_accum_steps == 1) \
+        if runtime.cuda_graphs else None
+    return Trainer(args, runtime, model, adam, muon, train_files, val_file, log, graphs)
+
+
+# =====================================================================================
+# Engine room: the fused kernels, each beside the fingerprint of the plain code it computes
+# =====================================================================================
+
+# --- which function the model calls: the plain one, or its fused twin ---------------------------------------------
+# A speedrunner edits the plain functions. Each fused kernel computes what its plain function computed when the
+# kernel was written, recorded as a fingerprint of that function's code (and of the plain helpers it follows): an
+# edit changes the fingerprint, and the fused kernel then refuses to run instead of silently ignoring the edit.
+# Constants the kernels take as arguments (SOFTCAP up to 60, SOFTCAP_WIDTH, the Yarn tables) may change freely.
+
+def code_fingerprint(*functions) -> str:
+    """A short hash of the functions' code without docstrings and comments (ast.unparse normalises the layout)."""
+    parts = []
+    for fn in functions:
+        tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(fn)))
+        body = tree.body[0].body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            tree.body[0].body = body[1:] or [ast.Pass()]
+        parts.append(ast.unparse(tree))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+@dataclass(frozen=True)
+class FusedKernel:
+    plain: object          # the function a speedrunner edits
+    fused: object          # its drop-in replacement
+    follows: tuple         # the plain functions whose code the fused kernel computes
+    fingerprint: str       # code_fingerprint(*follows) when the fused kernel was last checked against it
+    check_here: object     # check_here(fp8) raises where the fused kernel cannot run (no GPU, library missing)
+
+FUSED_KERNELS = {}  # name -> FusedKernel, each registered beside its fused kernel
+
+def parse_kernels(text: str) -> set | None:
+    """The fused kernels --kernels asks for (fused: all, plain: none), or None where it names something else."""
+    if text in ("fused", "plain"):
+        return set(FUSED_KERNELS) if text == "fused" else set()
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    return names if names and names <= set(FUSED_KERNELS) else None
+
+def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]:
+    """({name: function the model calls}, notes for the log): `fused` takes each fused kernel that runs here, a listed
+    one must run. A fused kernel that would run but whose plain functions were edited is an error (it would compute
+    the old ones); one that cannot run here is no reason to refuse an edit."""
+    explicit = requested != "fused"
+    chosen, notes = {}, []
+    for name, kernel in FUSED_KERNELS.items():
+        chosen[name] = kernel.plain
+        if name not in parse_kernels(requested):
+            continue
+        try:
+            if device != "cuda":
+                raise RuntimeError("it needs a CUDA GPU")
+            kernel.check_here(fp8)
+        except Exception as e:
+            if explicit:
+                raise ConfigError(f"--kernels: the fused {name} kernel cannot run here ({type(e).__name__}: {e}); "
+                                  f"leave it out of --kernels, use --kernels plain, or ./run.sh setup-gpu for "
+                                  f"FlashAttention-4 and quack") from None
+            if device == "cuda":
+                notes.append(f"kernels: plain {name} ({e})")
+            continue
+        if code_fingerprint(*kernel.follows) != kernel.fingerprint:
+            edited = ", ".join(fn.__name__ for fn in kernel.follows)
+            raise ConfigError(f"the fused {name} kernel computes {edited} as written when it was made, and that code "
+                              f"has changed: run with --kernels plain (or leave {name} out of --kernels), or update "
+                              f"the fused kernel and FUSED_KERNELS['{name}'].fingerprint")
+        chosen[name] = kernel.fused
+    if requested == "fused" and device != "cuda":
+        notes.append(f"kernels: no fused kernel runs on the {device}: the plain functions, as --kernels plain")
+    return chosen, notes
+
+# --- the fused twin of `attention`: FlashAttention-4 with the q/k norm and rotary in one Triton pass -------------
+# FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels): window and
+# scale are runtime arguments of its kernels (only whether a window exists is in its compile key), so one compiled
+# kernel pair serves every stage. Imported on first use.
+
+def fa4_interface():
+    """flash_attn.cute.interface (PyPI flash-attn-4), imported on first use (Python keeps the module)."""
+    # Keep FA4's JIT-compiled kernels on disk, as Inductor keeps its graphs: a restart loads them instead of
+    # compiling again. Read at its import; FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 opts out.
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    import flash_attn.cute.interface as fa4
+    return fa4
+
+def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, window_table, window_row: int) -> tuple[Tensor, Tensor]:
+    scale, window = scale_and_window(window_table, window_row)
+    out, lse, *_ = fa4_interface()._flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        softmax_scale=scale, causal=True, window_size_left=window, window_size_right=0, return_lse=True)
+    return out, lse
+
+def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, window_table, window_row: int,
+                 dq, dk, dv) -> None:
+    """Writes the gradients into dq, dk, dv (views of the caller's gradient buffers)."""
+    scale, window = scale_and_window(window_table, window_row)
+    fa4_interface()._flash_attn_bwd(
+        q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
+        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        dq=dq, dk=dk, dv=dv)
+
+# q/k RMS norm and rotary in one Triton pass inside the FlashAttention-4 op (Inductor parks the rotated rows in fp32
+# scratch and copies dv into the qkv gradient in one more pass): the forward reads each raw q/k row once, the
+# backward lets FlashAttention-4 write dv into its slot of the qkv gradient and fills the q and k slots in one pass.
+# The math is norm() and rotary()'s, in fp32 with one rounding at the store (tests pin it against them).
+
+if triton is not None:
+
+    @triton.jit
+    def _qk_norm_rope_forward_kernel(qkv, cos, sin, qk_out, rstd_out, rows_total, HEADS2: tl.constexpr,
+                                     D: tl.constexpr, ROW_STRIDE: tl.constexpr, EPS: tl.constexpr,
+                                     BLOCK_R: tl.constexpr):
+        # Row r = token·HEADS2 + j: head j of q (j < HEADS2/2) or of k, at qkv[token, j]; qk_out is (T, HEADS2, D).
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < rows_total)[:, None]
+        token = (rows // HEADS2).to(tl.int64)
+        half = tl.arange(0, D // 2)[None, :]
+        src = qkv + token[:, None] * ROW_STRIDE + (rows % HEADS2)[:, None] * D + half
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + D // 2, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + EPS)
+        table = token[:, None] * (D // 2) + half
+        c = tl.load(cos + table, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin + table, mask=mask, other=0.0).to(tl.float32)
+        x1 = x1 * r[:, None]
+        x2 = x2 * r[:, None]
+        dst = qk_out + rows.to(tl.int64)[:, None] * D + half
+        tl.store(dst, (x1 * c + x2 * s).to(qk_out.dtype.element_ty), mask=mask)
+        tl.store(dst + D // 2, (x2 * c - x1 * s).to(qk_out.dtype.element_ty), mask=mask)
+        tl.store(rstd_out + rows, r, mask=rows < rows_total)
+
+    @triton.jit
+    def _add_value_embedding_kernel(qkv, ve, v_out, T, WIDTH: tl.constexpr, ROW_STRIDE: tl.constexpr,
+                                    V_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+        # v_out[t] = qkv[t, V_OFFSET : V_OFFSET + WIDTH] + ve[t], BLOCK_T whole rows per program.
+        tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
+        cols = tl.arange(0, BLOCK_W)[None, :]
+        mask = (tokens < T) & (cols < WIDTH)
+        a = tl.load(qkv + tokens * ROW_STRIDE + V_OFFSET + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(ve + tokens * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(v_out + tokens * WIDTH + cols, (a + b).to(v_out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _qk_norm_rope_backward_kernel(d_qk, qkv, rstd, cos, sin, d_qkv, rows_total, HEADS2: tl.constexpr,
+                                      D: tl.constexpr, ROW_STRIDE: tl.constexpr, BLOCK_R: tl.constexpr):
+        # d_qk (T, HEADS2, D): gradient of the rotated rows; writes the raw rows' gradient into d_qkv[token, j].
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < rows_total)[:, None]
+        token = (rows // HEADS2).to(tl.int64)
+        half = tl.arange(0, D // 2)[None, :]
+        grad = d_qk + rows.to(tl.int64)[:, None] * D + half
+        g1 = tl.load(grad, mask=mask, other=0.0).to(tl.float32)
+        g2 = tl.load(grad + D // 2, mask=mask, other=0.0).to(tl.float32)
+        table = token[:, None] * (D // 2) + half
+        c = tl.load(cos + table, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin + table, mask=mask, other=0.0).to(tl.float32)
+        g1, g2 = g1 * c - g2 * s, g1 * s + g2 * c  # through the rotation (its transpose)
+        offset = token[:, None] * ROW_STRIDE + (rows % HEADS2)[:, None] * D + half
+        r = tl.load(rstd + rows, mask=rows < rows_total, other=0.0)[:, None]
+        x1 = tl.load(qkv + offset, mask=mask, other=0.0).to(tl.float32) * r
+        x2 = tl.load(qkv + offset + D // 2, mask=mask, other=0.0).to(tl.float32) * r
+        dot = (tl.sum(x1 * g1, 1) + tl.sum(x2 * g2, 1))[:, None] / D
+        tl.store(d_qkv + offset, ((g1 - x1 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
+        tl.store(d_qkv + offset + D // 2, ((g2 - x2 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
+
+QK_NORM_ROPE_ROWS = 32  # head rows per program: 32 x 128 elements in flight each way
+
+def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(rotated, normalised q and k heads (T, 2H, D) in qkv's dtype, 1/rms per row (T, 2H) fp32) of qkv (T, 3H, D)."""
+    T, heads3, D = qkv.shape
+    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and cos.size(1) == D // 2
+    heads2 = 2 * heads3 // 3
+    qk = qkv.new_empty((T, heads2, D))
+    rstd = torch.empty((T, heads2), dtype=torch.float32, device=qkv.device)
+    rows = T * heads2
+    _qk_norm_rope_forward_kernel[(triton.cdiv(rows, QK_NORM_ROPE_ROWS),)](
+        qkv, cos, sin, qk, rstd, rows, HEADS2=heads2, D=D, ROW_STRIDE=heads3 * D,
+        EPS=torch.finfo(torch.float32).eps, BLOCK_R=QK_NORM_ROPE_ROWS, num_warps=4)
+    return qk, rstd
+
+VALUE_EMBEDDING_ROWS = 8  # tokens per program of _add_value_embedding_kernel
+
+def add_value_embedding(qkv: Tensor, ve: Tensor) -> Tensor:
+    """qkv's v heads + ve, contiguous (T, H, D). PyTorch adds a strided operand with an unvectorised kernel that
+    computes every element's address; this pass reads whole rows (same bf16 rounding: fp32 sum, one rounding)."""
+    T, heads3, D = qkv.shape
+    heads = heads3 // 3
+    assert qkv.is_contiguous() and ve.is_contiguous() and ve.shape == (T, heads, D)
+    v = torch.empty_like(ve)
+    width = heads * D
+    _add_value_embedding_kernel[(triton.cdiv(T, VALUE_EMBEDDING_ROWS),)](
+        qkv, ve, v, T, WIDTH=width, ROW_STRIDE=heads3 * D, V_OFFSET=2 * width, BLOCK_T=VALUE_EMBEDDING_ROWS,
+        BLOCK_W=triton.next_power_of_2(width), num_warps=8)
+    return v
+
+def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, d_qkv: Tensor) -> None:
+    """Writes the gradient of qkv's q and k heads, given d_qk (T, 2H, D) of qk_norm_rope's output, into
+    d_qkv[:, :2H] (d_qkv has qkv's layout; its v heads are left alone)."""
+    T, heads3, D = qkv.shape
+    heads2 = 2 * heads3 // 3
+    assert d_qk.is_contiguous() and d_qkv.is_contiguous() and qkv.is_contiguous()
+    rows = T * heads2
+    _qk_norm_rope_backward_kernel[(triton.cdiv(rows, QK_NORM_ROPE_ROWS),)](
+        d_qk, qkv, rstd, cos, sin, d_qkv, rows, HEADS2=heads2, D=D, ROW_STRIDE=heads3 * D,
+        BLOCK_R=QK_NORM_ROPE_ROWS, num_warps=4)
+
+@torch.library.custom_op("speedrun::fa4_qkv", mutates_args=())
+def fa4_qkv(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+            window_table: Tensor, window_row: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """attention() with FlashAttention-4: (out, lse, and for the backward the rotated q|k, the v it read when ve is
+    given (else empty: v is a view of qkv), the norm's 1/rms)."""
+    heads = qkv.size(1) // 3
+    qk, rstd = qk_norm_rope(qkv, cos, sin)
+    v = qkv[:, 2 * heads:] if ve is None else add_value_embedding(qkv, ve)
+    out, lse = fa4_forward(qk[:, :heads], qk[:, heads:], v, cu_seqlens, max_seqlen, window_table, window_row)
+    return out, lse, qk, (v if ve is not None else qkv.new_empty(0)), rstd
+
+@fa4_qkv.register_fake
+def _(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
+    T, heads3, D = qkv.shape
+    heads = heads3 // 3
+    return (qkv.new_empty((T, heads, D)), qkv.new_empty((heads, T), dtype=torch.float32),
+            qkv.new_empty((T, 2 * heads, D)), qkv.new_empty((T, heads, D) if ve is not None else (0,)),
+            qkv.new_empty((T, 2 * heads), dtype=torch.float32))
+
+@torch.library.custom_op("speedrun::fa4_qkv_backward", mutates_args=())
+def fa4_qkv_backward(grad_out: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, out: Tensor, lse: Tensor, qk: Tensor,
+                     v_used: Tensor, rstd: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
+                     window_row: int) -> Tensor:
+    """The gradient of qkv, written in place by FlashAttention-4's backward (dv) and the norm + rotary backward."""
+    heads = qkv.size(1) // 3
+    v = v_used if v_used.numel() else qkv[:, 2 * heads:]
+    d_qkv = torch.empty_like(qkv)
+    d_qk = torch.empty_like(qk)
+    fa4_backward(grad_out, qk[:, :heads], qk[:, heads:], v, out, lse, cu_seqlens, max_seqlen, window_table, window_row,
+                 dq=d_qk[:, :heads], dk=d_qk[:, heads:], dv=d_qkv[:, 2 * heads:])
+    qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv)
+    return d_qkv
+
+@fa4_qkv_backward.register_fake
+def _(grad_out, qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, max_seqlen, window_table, window_row):
+    return torch.empty_like(qkv)
+
+def _fa4_qkv_setup_context(ctx, inputs, output):
+    qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row = inputs
+    out, lse, qk, v_used, rstd = output
+    ctx.save_for_backward(qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, window_table)
+    ctx.max_seqlen, ctx.window_row, ctx.has_ve = max_seqlen, window_row, ve is not None
+
+def _fa4_qkv_backward(ctx, grad_out, *_):
+    qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, window_table = ctx.saved_tensors
+    d_qkv = torch.ops.speedrun.fa4_qkv_backward(grad_out.contiguous(), qkv, cos, sin, out, lse, qk, v_used, rstd,
+                                                cu_seqlens, ctx.max_seqlen, window_table, ctx.window_row)
+    d_ve = d_qkv[:, 2 * (qkv.size(1) // 3):] if ctx.has_ve else None  # v = qkv's v heads + ve: the same gradient
+    return d_qkv, d_ve, None, None, None, None, None, None
+
+fa4_qkv.register_autograd(_fa4_qkv_backward, setup_context=_fa4_qkv_setup_context)
+
+def fused_attention(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
+    return torch.ops.speedrun.fa4_qkv(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row)[0]
+
+def fa4_on_this_gpu():
+    if torch.cuda.get_device_capability()[0] < 9:
+        raise RuntimeError("its kernels need compute capability 9.0 or newer (Hopper, Blackwell)")
+    return fa4_interface()
+
+FUSED_KERNELS["attention"] = FusedKernel(attention, fused_attention, (attention, rotary, norm, flash_attention,
+                                                                      scale_and_window), "beb42ed1db10",
+                                         lambda fp8: fa4_on_this_gpu())
+
+@functools.cache
+def quack_gemm():
+    """quack.gemm_interface (PyPI quack-kernels), imported on first use."""
+    import quack.gemm_interface as gemm_interface
+    return gemm_interface
+
+# quack's untuned Hopper default clusters two CTAs along M; the same 128x192 pingpong tile clustered along N is faster
+# for both fused MLP GEMMs on the trainer's shapes and bit-identical (same tile, same K order). Pinned, because
+# autotuning at start-up costs minutes of compiles. Other GPUs keep quack's default.
+QUACK_MLP_CONFIG_SM90 = dict(tile_m=128, tile_n=192, cluster_m=1, cluster_n=2, pingpong=True,
+                             is_dynamic_persistent=False)
+
+@functools.cache
+def quack_mlp_config(device_type: str, index: int | None):
+    """quack's GemmConfig for the MLP's fused GEMMs on this device, or None for quack's own default."""
+    if device_type != "cuda" or torch.cuda.get_device_capability(index)[0] != 9:
+        return None
+    from quack.gemm_config import GemmConfig
+    return GemmConfig(**QUACK_MLP_CONFIG_SM90, device_capacity=9)
+
+def quack_on_this_gpu():
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        raise RuntimeError("its GEMM kernels need compute capability 9.x or 10.x (Hopper, Blackwell)")
+    return quack_gemm()
+
+# mlp's twin: the activation rides in the GEMM epilogues. The forward GEMM writes the pre-activation and ReLU² in
+# one pass; the backward's first GEMM multiplies by the derivative and recomputes ReLU² for the weight gradient in
+# the same pass (Inductor's version runs each as a separate pass over the (T, 4d) activation). The weight-gradient
+# GEMMs stay on cuBLAS.
+@torch.library.custom_op("speedrun::relu2_mlp", mutates_args=())
+def relu2_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> tuple[Tensor, Tensor]:
+    """(mlp(x, w_fc, w_proj), the pre-activation x w_fcᵀ) for x (T, d) and w_fc, w_proj (4d, d), all bf16."""
+    pre, h = quack_gemm().gemm_act(x, w_fc.mT, activation="relu_sq", tuned=False,
+                                   config=quack_mlp_config(x.device.type, x.device.index))
+    return h @ w_proj, pre
+
+@relu2_mlp.register_fake
+def _(x, w_fc, w_proj):
+    return x.new_empty(x.size(0), w_proj.size(1)), x.new_empty(x.size(0), w_fc.size(0))
+
+@torch.library.custom_op("speedrun::relu2_mlp_backward", mutates_args=())
+def relu2_mlp_backward(grad: Tensor, x: Tensor, w_fc: Tensor, w_proj: Tensor,
+                       pre: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw_fc, dw_proj). One fused GEMM gives d(pre) = (grad w_projᵀ)·2relu(pre) and h = relu(pre)²."""
+    grad = grad.contiguous()
+    dpre, h = quack_gemm().gemm_dact(grad, w_proj.mT, pre, activation="relu_sq", tuned=False,
+                                     config=quack_mlp_config(grad.device.type, grad.device.index))
+    return dpre @ w_fc, dpre.mT @ x, h.mT @ grad
+
+@relu2_mlp_backward.register_fake
+def _(grad, x, w_fc, w_proj, pre):
+    return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
+
+def _relu2_mlp_setup_context(ctx, inputs, output):
+    x, w_fc, w_proj = inputs
+    ctx.save_for_backward(x, w_fc, w_proj, output[1])
+
+def _relu2_mlp_backward_rule(ctx, grad_out, _grad_pre):
+    return torch.ops.speedrun.relu2_mlp_backward(grad_out, *ctx.saved_tensors)
+
+relu2_mlp.register_autograd(_relu2_mlp_backward_rule, setup_context=_relu2_mlp_setup_context)
+
+def fused_mlp(x: Tensor, w_fc: Tensor, w_proj: Tensor) -> Tensor:
+    return torch.ops.speedrun.relu2_mlp(x, w_fc, w_proj)[0]
+
+FUSED_KERNELS["mlp"] = FusedKernel(mlp, fused_mlp, (mlp,), "20ac2a6cca4e", lambda fp8: quack_on_this_gpu())
+
+# attention_output's twin: Inductor turns it into an addmm, for which ATen first copies the residual into the output
+# and has cuBLAS read it back; quack's gemm_add reads the residual in its epilogue instead.
+@torch.library.custom_op("speedrun::residual_linear", mutates_args=())
+def residual_linear(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    return quack_gemm().gemm_add(y, w.mT, residual, tuned=False)
+
+@residual_linear.register_fake
+def _(residual, y, w):
+    return torch.empty_like(residual)
+
+def _residual_linear_setup_context(ctx, inputs, output):
+    _, y, w = inputs
+    ctx.save_for_backward(y, w)
+
+def _residual_linear_backward(ctx, grad):
+    y, w = ctx.saved_tensors
+    return grad, grad @ w, grad.t() @ y
+
+residual_linear.register_autograd(_residual_linear_backward, setup_context=_residual_linear_setup_context)
+
+def fused_attention_output(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    return torch.ops.speedrun.residual_linear(residual, y, w)
+
+FUSED_KERNELS["attention_output"] = FusedKernel(attention_output, fused_attention_output, (attention_output,),
+                                                "996f8d18f3cd", lambda fp8: quack_on_this_gpu())
+
+# --- its fused twin: FP8 matmul, then one Triton pass forward and one backward -----------------------------------
+# The softcap bounds every logit below SOFTCAP, so the log-sum-exp needs no max pass (50304·e^30 ≈ 5e17, far below
+# fp32's 3e38), and the softcapped logits are never stored: the backward recomputes them. Both passes take the
+# sigmoid from the GPU's tanh.approx, which moves far fewer e5m2 gradient bytes than their own rounding does.
+
+CE_FORWARD_TILE = (4, 1024, 8)    # BLOCK_T, BLOCK_V, num_warps of _softcap_ce_forward_kernel
+CE_BACKWARD_TILE = (64, 128, 8)   # the same of _softcap_ce_backward_kernel (bench/kernels/ce_kernel_bench.py)
+
+@torch.library.custom_op("speedrun::softcap_ce_forward", mutates_args=())
+def fused_softcap_ce_forward(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(summed cross-entropy of softcap(logits), per-token log-sum-exp), both fp32, in one pass over the logits."""
+    T = logits.size(0)
+    lse = torch.empty(T, dtype=torch.float32, device=logits.device)
+    per_token = torch.empty(T, dtype=torch.float32, device=logits.device)
+    launch_softcap_ce_forward(logits, targets, lse, per_token)
+    return per_token.sum(), lse
+
+@fused_softcap_ce_forward.register_fake
+def _(logits, targets):
+    return logits.new_empty((), dtype=torch.float32), logits.new_empty((logits.size(0),), dtype=torch.float32)
+
+@torch.library.custom_op("speedrun::softcap_ce_backward", mutates_args=())
+def fused_softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad: Tensor,
+                              grad_s: float) -> tuple[Tensor, Tensor]:
+    """The e5m2 operand of the FP8 backward, e5m2(bf16(grad · d loss / d logits) / grad_s), in the (T, V) and the
+    (V, T) layout its two GEMMs read."""
+    T, V = logits.shape
+    g = torch.empty((T, V), dtype=torch.uint8, device=logits.device)
+    g_t = torch.empty((V, T), dtype=torch.uint8, device=logits.device)
+    launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s)
+    return g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
+
+@fused_softcap_ce_backward.register_fake
+def _(logits, lse, targets, grad, grad_s):
+    T, V = logits.shape
+    return (logits.new_empty((T, V), dtype=torch.float8_e5m2), logits.new_empty((V, T), dtype=torch.float8_e5m2))
+
+def launch_softcap_ce_forward(logits, targets, lse, per_token):
+    """_softcap_ce_forward_kernel: lse (T,) and per_token (T,) = lse - z_target, fp32 buffers."""
+    T, V = logits.shape
+    assert logits.is_contiguous()
+    block_t, block_v, warps = CE_FORWARD_TILE
+    assert block_t * V < 2 ** 31, "in-tile offsets are int32"
+    _softcap_ce_forward_kernel[(triton.cdiv(T, block_t),)](
+        logits, targets, lse, per_token, T, V, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t, BLOCK_V=block_v,
+        PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
+
+def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float):
+    """_softcap_ce_backward_kernel into out (T, V) and out_t (V, T), uint8 buffers of e5m2 bytes."""
+    T, V = logits.shape
+    block_t, block_v, warps = CE_BACKWARD_TILE
+    assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
+    _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
+        logits, lse, targets, grad, out, out_t, T, V, grad_s, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t,
+        BLOCK_V=block_v, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
+
+class FusedLMHeadLoss(torch.autograd.Function):
+    """lm_head_loss in fewer passes: the FP8 matmul, one Triton pass for the log-sum-exp, and in the backward one that
+    writes the e5m2 gradient in both layouts the FP8 GEMMs read (no bf16 gradient tensor, cast or transpose)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, targets: Tensor) -> Tensor:
+        logits, x_f8_t, w_f8_t = torch.ops.speedrun.fp8_matmul(x, w, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE)
+        loss, lse = torch.ops.speedrun.softcap_ce_forward(logits, targets)
+        ctx.save_for_backward(logits, targets, lse, x_f8_t, w_f8_t)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, targets, lse, x_f8_t, w_f8_t = ctx.saved_tensors
+        g_f8, g_f8_t = torch.ops.speedrun.softcap_ce_backward(logits, lse, targets, grad, FP8_GRAD_SCALE)
+        grad_x, grad_w = torch.ops.speedrun.fp8_matmul_backward(
+            g_f8, x_f8_t, w_f8_t, FP8_X_SCALE, FP8_W_SCALE, FP8_GRAD_SCALE, g_f8_t)
+        return grad_x, grad_w, None
+
+def fused_lm_head_loss(x: Tensor, w: Tensor, targets: Tensor, fp8: bool) -> Tensor:
+    assert fp8, "the fused head is the FP8 one"
+    return FusedLMHeadLoss.apply(x, w, targets)
+
+def transpose_bytes(x: Tensor) -> Tensor:
+    """Contiguous transpose of a 2-D tensor of 1-byte elements (the FP8 gradient) by a tiled kernel at close to
+    memory bandwidth; Inductor, left to itself, fuses it into the producer with scattered 1-byte stores."""
+    assert x.dim() == 2 and x.element_size() == 1 and x.is_contiguous()
+    if not _kernels_usable(x):
+        return x.t().contiguous()
+    M, N = x.shape
+    y = torch.empty((N, M), dtype=torch.uint8, device=x.device)
+    block = 128  # 128-byte rows: full memory transactions on both sides
+    _transpose_kernel[(triton.cdiv(M, block), triton.cdiv(N, block))](x.view(torch.uint8), y, M, N, BLOCK=block,
+                                                                      num_warps=8)
+    return y.view(x.dtype)
+
+if triton is not None:
+
+    @triton.jit
+    def _transpose_kernel(X, Y, M, N, BLOCK: tl.constexpr):
+        # Y (N, M) = X (M, N)ᵀ, both contiguous: a BLOCK x BLOCK tile is read along X's rows and written along
+        # Y's rows, so loads and stores are both coalesced (Triton reshuffles the tile through shared memory).
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = (pid_m * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        cols = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tile = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask)
+        tl.store(Y + cols[:, None] * M + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+    @triton.jit
+    def _quantize_transpose_kernel(X, Q, QT, M, N, inv_scale, BLOCK: tl.constexpr):
+        # Q (M, N) = e4m3(x · inv_scale) and QT (N, M) its transpose, from one read of a BLOCK x BLOCK tile of X.
+        # The fp32 product is rounded once, to e4m3, as Inductor's compile of x.div(scale).to(e4m3) rounds it.
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = (pid_m * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        cols = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        q = (x.to(tl.float32) * inv_scale).to(Q.dtype.element_ty)
+        tl.store(Q + rows[:, None] * N + cols[None, :], q, mask=mask)
+        tl.store(QT + cols[:, None] * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+
+    @triton.jit
+    def _tanh_approx(y, PTX: tl.constexpr):
+        # One special-function instruction on NVIDIA GPUs (relative error about 2^-11); the interpreter runs no
+        # PTX, so there the same value comes from the exact identity tanh(y) = 2·sigmoid(2y) - 1.
+        if PTX:
+            return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return 2.0 * tl.sigmoid(2.0 * y) - 1.0
+
+    @triton.jit
+    def _softcap_sigmoid(x, WIDTH: tl.constexpr, FAST: tl.constexpr, PTX_TANH: tl.constexpr):
+        # s = sigmoid(logit/WIDTH), softcap's z = CAP·s. FAST: (1 + tanh(logit/(2·WIDTH)))/2 with tanh.approx,
+        # one special-function instruction instead of an exponential and a full-precision division.
+        if FAST:
+            return 0.5 + 0.5 * _tanh_approx(x * (0.5 / WIDTH), PTX_TANH)
+        else:
+            return tl.sigmoid(x / WIDTH)
+
+    @triton.jit
+    def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
+                                    CAP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                                    BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr):
+        # One (BLOCK_T x BLOCK_V) tile of grad·d/dlogits sum_t CE(softcap(logits_t), target_t):
+        #   g = grad·(softmax(z) - onehot)·(CAP/WIDTH)·s·(1-s),  z = CAP·s, s = sigmoid(logit/WIDTH)
+        # rounded to bf16 (the record's gradient dtype), divided by grad_s, cast to e5m2 and stored as (T, V) for dX
+        # and as (V, T) for dW (FP8 GEMMs need the reduction dim contiguous), both stores coalesced. Fast math:
+        # tanh.approx for the sigmoid and a multiplication by 1/grad_s.
+        row0 = tl.program_id(0) * BLOCK_T
+        col0 = tl.program_id(1) * BLOCK_V
+        r = tl.arange(0, BLOCK_T)   # in-tile offsets stay int32; only the tile bases are 64-bit
+        c = tl.arange(0, BLOCK_V)
+        rows = row0 + r
+        cols = col0 + c
+        rmask = rows < T
+        mask = rmask[:, None] & (cols[None, :] < V)
+        tile = row0.to(tl.int64) * V + col0             # (row0, col0) in the (T, V) layout
+        tile_t = col0.to(tl.int64) * T + row0           # (col0, row0) in the (V, T) layout
+        x = tl.load(logits + tile + (r[:, None] * V + c[None, :]), mask=mask, other=0.0).to(tl.float32)
+        row_lse = tl.load(lse + rows, mask=rmask, other=0.0)
+        row_target = tl.load(targets + rows, mask=rmask, other=-1)
+        scale = tl.load(grad).to(tl.float32)
+        s = _softcap_sigmoid(x, WIDTH, True, PTX_TANH)
+        p = tl.exp(CAP * s - row_lse[:, None])
+        onehot = (cols[None, :] == row_target[:, None]).to(tl.float32)
+        g = scale * (p - onehot) * (CAP / WIDTH) * s * (1.0 - s)
+        g = g.to(tl.bfloat16).to(tl.float32) * (1.0 / grad_s)
+        q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        tl.store(out + tile + (r[:, None] * V + c[None, :]), q, mask=mask)
+        tl.store(out_t + tile_t + (c[:, None] * T + r[None, :]), tl.trans(q), mask=tl.trans(mask))
+
+    @triton.jit
+    def _softcap_ce_forward_kernel(logits, targets, lse, per_token, T, V, CAP: tl.constexpr, WIDTH: tl.constexpr,
+                                   BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr):
+        # BLOCK_T rows of the (T, V) logits, swept in BLOCK_V-wide chunks: lse = log sum_v exp(CAP·s) with no max
+        # pass (the softcap bounds z below CAP), then per_token = lse - z_target. exp(CAP·s) is one exp2 with
+        # the constant folded; the sigmoid comes from tanh.approx, as in the fused backward. The
+        # target's term keeps the exact sigmoid.
+        row0 = tl.program_id(0) * BLOCK_T
+        r = tl.arange(0, BLOCK_T)
+        rows = row0 + r
+        rmask = rows < T
+        base = row0.to(tl.int64) * V
+        acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for col0 in range(0, V, BLOCK_V):
+            cols = col0 + tl.arange(0, BLOCK_V)
+            mask = rmask[:, None] & (cols[None, :] < V)
+            x = tl.load(logits + base + (r[:, None] * V + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
+            s = _softcap_sigmoid(x, WIDTH, True, PTX_TANH)
+            e = tl.exp2(s * (CAP * 1.4426950408889634))
+            acc += tl.sum(tl.where(mask, e, 0.0), axis=1)
+        row_lse = tl.log(acc)
+        target = tl.load(targets + rows, mask=rmask, other=0)
+        x_t = tl.load(logits + rows.to(tl.int64) * V + target, mask=rmask, other=0.0).to(tl.float32)
+        z_t = CAP * _softcap_sigmoid(x_t, WIDTH, False, PTX_TANH)
+        tl.store(lse + rows, row_lse, mask=rmask)
+        tl.store(per_token + rows, row_lse - z_t, mask=rmask)
+
+def needs_cuda_triton(fp8: bool = True):
+    if triton is None or not torch.cuda.is_available() or not fp8:
+        raise RuntimeError("it is the FP8 head's Triton kernels: it needs a CUDA GPU and FP8 on (--fp8)")
+    if not 0 < SOFTCAP <= 60:  # its log-sum-exp skips the max pass: 50304·e^SOFTCAP must fit fp32
+        raise RuntimeError(f"its log-sum-exp has no max pass and overflows fp32 past SOFTCAP 60 (it is {SOFTCAP})")
+
+FUSED_KERNELS["lm_head_loss"] = FusedKernel(lm_head_loss, fused_lm_head_loss, (lm_head_loss, softcap, lm_head_fp8),
+                                            "711468e47622", needs_cuda_triton)
+
+KERNEL_MIN_DIM = 64          # matrices with fewer rows (wide orientation) use torch matmuls: the gates
+                             # (6x12, 1x12) are pure launch latency, cuBLAS/inductor handle them as well
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+_SMEM_BUDGET = 160 * 1024    # H100/H200 have 227 KB per block; keep room for the epilogue's layout conversion
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+# Tile overrides, {kind: {...}} or {(kind, m, k): {...}}, for tile sweeps and tests (symmetric kernels keep BLOCK_N
+# equal to BLOCK_M); empty in training.
+def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
+    """Tiles and launch config of xxt ((n, m, k) -> (n, m, m)), ba_plus_cAA or ax_plus_bx ((n, m, m) x (n, m, k)):
+    128x128 tiles, BLOCK_K 64, 8 warps, 4 stages (3 for ax_plus_bx), smaller where a matrix or _SMEM_BUDGET is."""
+    elsize = torch.empty((), dtype=dtype).element_size()
+    sym = kind in ("xxt", "ba_plus_cAA")
+    if kind == "ba_plus_cAA":
+        k = m
+    out_rows, out_cols, red = (m, m, k) if sym else (m, k, m)
+    if min(out_rows, out_cols) >= 128:
+        bm = bn = 128
+    elif min(out_rows, out_cols) >= 64:
+        bm = bn = 64
+    else:
+        bm = min(64, max(16, _pow2_at_least(out_rows)))
+        bn = bm if sym else min(64, max(16, _pow2_at_least(out_cols)))
+    bk = min(64, max(16, _pow2_at_least(red)))
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    stages = 4 if sym else 3
+    while stages > 1 and stages * (bm + bn) * bk * elsize > _SMEM_BUDGET:
+        stages -= 1
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+if triton is not None:
+
+    @triton.jit
+    def _dot_acc(a, b, acc):
+        # acc += a·b; fp32 operands are multiplied exactly (IEEE), not in TF32
+        if a.dtype == tl.float32:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _sym_gram_kernel(X, C, M, K, alpha, beta,
+                         s_xb, s_xm, s_xk, s_cb, s_cm, s_cn,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN: tl.constexpr, ADD_X: tl.constexpr):
+        # ns_line_1 (ADD_X=False): C[b] = X[b] X[b]ᵀ.
+        # ns_line_2 (ADD_X=True):  C[b] = alpha·X[b]X[b]ᵀ + beta·X[b] for square symmetric X (= c·A·A + b·A,
+        # since A·A = A·Aᵀ). Either way C is symmetric: program (pid, b) owns output tile (i, j) = divmod(pid, T),
+        # only j <= i is computed, stored at (i, j) and transposed at (j, i).  fp32 accumulation.
+        pid = tl.program_id(0)
+        bid = tl.program_id(1).to(tl.int64)
+        T = tl.cdiv(M, BLOCK_M)
+        ti = pid // T
+        tj = pid % T
+        if tj > ti:
+            return
+        X += bid * s_xb
+        C += bid * s_cb
+        rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tj * BLOCK_M + tl.arange(0, BLOCK_M)
+        offk = tl.arange(0, BLOCK_K)
+        a_ptr = X + rows[:, None] * s_xm + offk[None, :] * s_xk        # (BM, BK) rows of tile i
+        b_ptr = X + cols[None, :] * s_xm + offk[:, None] * s_xk        # (BK, BM) rows of tile j, transposed
+        acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN:
+                a = tl.load(a_ptr)
+                b = tl.load(b_ptr)
+            else:
+                kk = k0 + offk
+                a = tl.load(a_ptr, mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
+                b = tl.load(b_ptr, mask=(cols[None, :] < M) & (kk[:, None] < K), other=0.0)
+            acc = _dot_acc(a, b, acc)
+            a_ptr += BLOCK_K * s_xk
+            b_ptr += BLOCK_K * s_xk
+        mask = (rows[:, None] < M) & (cols[None, :] < M)
+        if ADD_X:
+            x_tile = tl.load(X + rows[:, None] * s_xm + cols[None, :] * s_xk, mask=mask, other=0.0)
+            # (the casts: Inductor passes Python floats as fp64)
+            acc = tl.cast(alpha, tl.float32) * acc + tl.cast(beta, tl.float32) * x_tile.to(tl.float32)
+        out = acc.to(C.dtype.element_ty)
+        tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_cn, out, mask=mask)
+        if tj < ti:
+            tl.store(C + cols[:, None] * s_cm + rows[None, :] * s_cn, tl.trans(out),
+                     mask=(cols[:, None] < M) & (rows[None, :] < M))
+
+    @triton.jit
+    def _ax_plus_bx_kernel(X, B, C, M, K, alpha,
+                           s_xb, s_xm, s_xk, s_bb, s_bm, s_bn, s_cb, s_cm, s_ck,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           EVEN: tl.constexpr):
+        # C[b] = alpha·X[b] + B[b] X[b] with X (M, K), B (M, M) (s_bb == 0 broadcasts one B over the batch).
+        # ns_line_3: the fp32 accumulator starts at alpha·X and B·X accumulates into it.  Every load is masked on
+        # its rows/cols AND its reduction index (an unmasked row once read out of bounds) unless EVEN says all
+        # blocks are in bounds.
+        pid = tl.program_id(0)
+        bid = tl.program_id(1).to(tl.int64)
+        tn = tl.cdiv(K, BLOCK_N)
+        ti = pid // tn
+        tj = pid % tn
+        X += bid * s_xb
+        B += bid * s_bb
+        C += bid * s_cb
+        rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tj * BLOCK_N + tl.arange(0, BLOCK_N)
+        offk = tl.arange(0, BLOCK_K)
+        out_mask = (rows[:, None] < M) & (cols[None, :] < K)
+        if EVEN:
+            x0 = tl.load(X + rows[:, None] * s_xm + cols[None, :] * s_xk)
+        else:
+            x0 = tl.load(X + rows[:, None] * s_xm + cols[None, :] * s_xk, mask=out_mask, other=0.0)
+        acc = x0.to(tl.float32) * tl.cast(alpha, tl.float32)   # inductor passes Python floats as fp64
+        b_ptr = B + rows[:, None] * s_bm + offk[None, :] * s_bn        # (BM, BK)
+        x_ptr = X + offk[:, None] * s_xm + cols[None, :] * s_xk        # (BK, BN)
+        for k0 in range(0, M, BLOCK_K):
+            if EVEN:
+                b = tl.load(b_ptr)
+                x = tl.load(x_ptr)
+            else:
+                kk = k0 + offk
+                b = tl.load(b_ptr, mask=(rows[:, None] < M) & (kk[None, :] < M), other=0.0)
+                x = tl.load(x_ptr, mask=(kk[:, None] < M) & (cols[None, :] < K), other=0.0)
+            acc = _dot_acc(b, x, acc)
+            b_ptr += BLOCK_K * s_bn
+            x_ptr += BLOCK_K * s_xm
+        tl.store(C + rows[:, None] * s_cm + cols[None, :] * s_ck, acc.to(C.dtype.element_ty), mask=out_mask)
+
+def _as_batched(t: Tensor) -> Tensor:
+    return t if t.dim() == 3 else t.unsqueeze(0)
+
+def xxt(X: Tensor, out: Tensor = None) -> Tensor:
+    """out = X Xᵀ for X (m, k) or (n, m, k) -> (m, m) / (n, m, m), in X's dtype (fp32 accumulation)."""
+    if out is None:
+        out = X.new_empty(*X.shape[:-1], X.size(-2))
+    if not _kernels_usable(X):
+        return torch.matmul(X, X.mT, out=out)
+    return _launch_sym_gram("xxt", X, out, 1.0, 0.0, add_x=False)
+
+def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None) -> Tensor:
+    """out = b·A + c·A·A for symmetric A (m, m) or (n, m, m) (symmetry is assumed, not checked)."""
+    if out is None:
+        out = torch.empty_like(A)
+    if not _kernels_usable(A):
+        return torch.add(torch.mul(A, b), torch.matmul(A, A), alpha=c, out=out)
+    return _launch_sym_gram("ba_plus_cAA", A, out, float(c), float(b), add_x=True)
+
+def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: float, add_x: bool) -> Tensor:
+    X3, C3 = _as_batched(X), _as_batched(out)
+    n, m, k = X3.shape
+    cfg = kernel_config(kind, n, m, k, X.dtype)
+    bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    t = triton.cdiv(m, bm)
+    _sym_gram_kernel[(t * t, n)](
+        X3, C3, m, k, alpha, beta, X3.stride(0), X3.stride(1), X3.stride(2), C3.stride(0), C3.stride(1), C3.stride(2),
+        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bk == 0), ADD_X=add_x,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None) -> Tensor:
+    """out = a·X + B X for X (m, k) / (n, m, k) and B (m, m) / (n or 1, m, m); out must not alias X."""
+    if out is None:
+        out = torch.empty_like(X)
+    if not _kernels_usable(X):
+        if X.dim() == 3 and B.shape == (X.size(0), X.size(1), X.size(1)):
+            return torch.baddbmm(X, B, X, beta=a, out=out)
+        return torch.add(torch.matmul(B, X), X, alpha=a, out=out)
+    X3, C3 = _as_batched(X), _as_batched(out)
+    B3 = _as_batched(B)
+    n, m, k = X3.shape
+    cfg = kernel_config("ax_plus_bx", n, m, k, X.dtype)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    s_bb = 0 if B3.size(0) == 1 else B3.stride(0)
+    _ax_plus_bx_kernel[(triton.cdiv(m, bm) * triton.cdiv(k, bn), n)](
+        X3, B3, C3, m, k, float(a),
+        X3.stride(0), X3.stride(1), X3.stride(2), s_bb, B3.stride(1), B3.stride(2),
+        C3.stride(0), C3.stride(1), C3.stride(2),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bn == 0 and m % bk == 0),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+_TRITON_OPS = (xxt, ba_plus_cAA, ax_plus_bx)
+
+
+# =====================================================================================
+# Engine room: the runtime (devices, processes, CUDA graphs, diagnostics)
+# =====================================================================================
+
+@dataclass(frozen=True)
+class Runtime:
+    """How this process runs, resolved once from the settings, the launcher's environment and the machine."""
+    device: str               # cuda | cpu
+    rank: int
+    local_rank: int
+    world_size: int
+    launched: bool            # started by torchrun (RANK, MASTER_ADDR set): a process group even for one process
+    grad_accum_steps: int     # micro-batches per step: 8 // world_size, so the global batch never changes
+    compile: bool
+    fp8: bool
+    kernels: dict = field(default_factory=dict)      # {name: the function the model calls} (resolve_kernels)
+    kernel_notes: tuple = ()                          # fused kernels that cannot run here, and why
+    cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)
+    check_graphs: bool = False        # --cuda-graphs check: each stage's first step graphed and eager, compared
+    bf16_gemms_in_fp32: bool = False  # a CPU without native bf16 GEMMs: they run in fp32 (bf16_gemms_in_fp32)
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def fused(self) -> str:
+        """The fused kernels in use, comma-separated ("none": the plain model)."""
+        return ",".join(n for n, fn in self.kernels.items() if fn is not FUSED_KERNELS[n].plain) or "none"
+
+    def config_line(self, args: Hyperparameters) -> str:
+        """The log's `Run config:` line (records/compare.py reads it)."""
+        gpu_name = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
+        return (f'Run config: world_size={self.world_size} grad_accum_steps={self.grad_accum_steps} '
+                f'device={self.device} kernels={args.kernels} fused={self.fused} '
+                f'orthogonalizer={args.orthogonalizer} fp8={int(self.fp8)} compile={int(self.compile)} '
+                f'cuda_graphs={int(self.cuda_graphs)} bf16_gemms_in_fp32={int(self.bf16_gemms_in_fp32)} '
+                f'data_path={args.data_path} train_epochs={args.train_epochs} smoke={int(args.smoke)} '
+                f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
+
+def grad_accum_steps_for(world_size: int) -> int:
+    if world_size in (1, 2, 4, 8):
+        return 8 // world_size
+    if world_size > 8 and world_size % 8 == 0:
+        return 1  # multi-node: one micro-batch per rank, same global batch
+    raise ConfigError(f"world size {world_size} is not supported: launch 1, 2, 4 or 8 processes per node "
+                      "(or a multiple of 8 across nodes), e.g. torchrun --nproc_per_node=8")
+
+def pick_device(args: Hyperparameters) -> str:
+    if args.device == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if args.device == "cuda":
+        raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu (slow; try --smoke)")
+    if args.smoke:
+        return "cpu"
+    raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
+
+def launcher_variables(env, check: bool = False) -> tuple[int, int, int]:
+    """(WORLD_SIZE, RANK, LOCAL_RANK) as torchrun sets them (1, 0, 0 without it), checked; `check` (--check for
+    WORLD_SIZE processes, which it does not start) needs no rendezvous."""
+    values = {}
+    for name, default in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        text = env.get(name, default)
+        if not re.fullmatch(r"\d{1,9}", text.strip()):
+            raise ConfigError(f"{name}={text!r} is not a process count or rank: torchrun sets it; unset it to run one "
+                              "process, or launch with torchrun")
+        values[name] = int(text)
+    world, rank, local = values["WORLD_SIZE"], values["RANK"], values["LOCAL_RANK"]
+    if world < 1 or rank >= world or local > rank:
+        raise ConfigError(f"WORLD_SIZE={world}, RANK={rank}, LOCAL_RANK={local} do not describe a process of a run "
+                          "(a rank is below the world size): unset them to run one process, or launch with torchrun")
+    grad_accum_steps_for(world)  # a world size that is not supported is said first
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if world > 1 and missing and not check:
+        raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: start the processes with torchrun "
+                          "(./run.sh launch N), or unset WORLD_SIZE to run one process")
+    return world, rank, local
+
+def resolve_runtime(args: Hyperparameters) -> Runtime:
+    """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read."""
+    env = os.environ
+    world_size, rank, local_rank = launcher_variables(env, check=args.check or args.check_flags)
+    device = pick_device(args)
+    if device != args.device and device == "cpu" and rank == 0:
+        print("note: no CUDA device found, so the smoke run trains on the CPU (--device cpu says so and silences "
+              "this)", file=sys.stderr, flush=True)
+    use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
+    if use_compile and device != "cuda":
+        raise ConfigError("--compile on needs a CUDA GPU (the CPU's reference attention cannot be compiled)")
+    if args.fp8 == "on" and device != "cuda":
+        raise ConfigError("--fp8 on needs a CUDA GPU (FP8 matmuls); use --fp8 auto or off on the CPU")
+    if args.cuda_graphs in ("on", "check") and device != "cuda":
+        raise ConfigError(f"--cuda-graphs {args.cuda_graphs} needs a CUDA GPU: use --cuda-graphs auto or off")
+    fp8 = args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda")
+    kernels, notes = resolve_kernels(args.kernels, device, fp8)
+    return Runtime(device=device, rank=rank, local_rank=local_rank,
+                   world_size=world_size, launched=bool(env.get("MASTER_ADDR")) and "RANK" in env,
+                   grad_accum_steps=grad_accum_steps_for(world_size),
+                   compile=use_compile, fp8=fp8, kernels=kernels, kernel_notes=tuple(notes),
+                   cuda_graphs=args.cuda_graphs in ("on", "check") or (args.cuda_graphs == "auto" and device == "cuda"
+                                                                       and use_compile),
+                   check_graphs=args.cuda_graphs == "check",
+                   bf16_gemms_in_fp32=device == "cpu" and not use_compile and not native_bf16_gemms())
+
+def setup_process_group(runtime: Runtime):
+    if runtime.device == "cuda":
+        torch.cuda.set_device(runtime.local_rank)
+        # Works around a first-backward bug seen on some systems (the record does the same).
+        torch.zeros(1, device="cuda", requires_grad=True).sum().backward()
+    else:  # glibc hands freed blocks of 32 MiB or more (fp32 logits) back and page-faults them in again: 1/3 of a step
+        libc = ctypes.CDLL(None)
+        if hasattr(libc, "mallopt"):  # M_MMAP_MAX 0: no block mapped alone; M_TRIM_THRESHOLD: keep up to 1 GiB free
+            libc.mallopt(-4, 0), libc.mallopt(-1, 1 << 30)
+    if runtime.world_size > 1 or runtime.launched:
+        if runtime.device == "cuda":
+            dist.init_process_group("nccl", device_id=torch.device("cuda", runtime.local_rank))
+        else:
+            dist.init_process_group("gloo")
+        dist.barrier()
+
+# --- CUDA graphs of the training micro-batch ---
+# At stage 1 the host needs about as long to launch a micro-batch's few hundred kernels as the GPU needs to run
+# them. A CUDA graph records one micro-batch's forward and backward launches, every kernel library's included, and
+# replays them with one call, reading and writing the addresses it was captured with: the graphs keep their own
+# batch tensors and one set of gradients, and share one memory pool for their temporaries. Host values are frozen
+# at capture (see GPT.forward). With several processes, the micro-batch that ends an Adam step launches DistAdam's
+# reduce-scatters from its gradient hooks: NCCL collectives can be captured (NCCL 2.9+) when every rank captures and
+# replays the same graphs in the same order, which the keys guarantee. Such a capture ends by joining NCCL's
+# stream, so a replay leaves the averaged gradients where DistAdam's step reads them.
+
+class CudaGraph:
+    """torch.cuda.CUDAGraph captured on a side stream. The first capture runs the micro-batch there eagerly first (state
+    made lazily per stream, cuBLAS's workspace, must not be made in a capture); later ones only record."""
+    stream = pool = None  # shared by every capture
+
+    def capture(self, fn) -> bool:
+        """Record fn. True where fn also ran (the micro-batch's work is done), False where a replay must do it."""
+        first = CudaGraph.stream is None
+        if first:
+            CudaGraph.stream, CudaGraph.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+        side = CudaGraph.stream
+        side.wait_stream(torch.cuda.current_stream())
+        if first:
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: NCCL's watchdog thread may query its events while this thread captures
+        with torch.cuda.graph(self.graph, pool=CudaGraph.pool, stream=side, capture_error_mode="thread_local"):
+            fn()
+        return first
+
+    def replay(self):
+        self.graph.replay()
+
+    @staticmethod
+    def pool_bytes() -> int:
+        """Memory the graphs' pool holds (reserved for their temporaries; not in the allocator's allocated count)."""
+        if CudaGraph.pool is None:
+            return 0
+        pool = tuple(CudaGraph.pool)
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", ())) == pool)
+
+class MicroBatchGraphs:
+    """Training micro-batches as graphs, one per key (shapes, windows, softmax scale, whether it launches DistAdam's
+    reduce-scatters, which gradients it starts): a key's first micro-batch is captured, later ones replay.
+    writes_first (one micro-batch a step, 8 GPUs): a gradient set to None is handed over by autograd and copied into
+    its buffer, as the record's backward does, instead of added to a zeroed buffer."""
+
+    def __init__(self, model: nn.Module, adam: "DistAdam", grad_buffers: dict = None, writes_first: bool = False):
+        self.model, self.adam, self.writes_first = model, adam, writes_first
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        grad_buffers = grad_buffers or {}  # param -> where an optimizer wants its gradient (NorMuon's stacks)
+        # the gradients every graph accumulates into, made here, outside the graphs' memory pool
+        self.grads = [grad_buffers[p] if p in grad_buffers else torch.zeros_like(p) for p in self.params]
+        device = self.params[0].device
+        self.divisor = torch.zeros((), dtype=torch.float32, device=device)  # micro-batches per step
+        self.loss = torch.zeros((), dtype=torch.float32, device=device)     # the last replayed micro-batch's loss
+        self.divisor_value = None
+        self.graphs = {}         # key -> (graph, static copies of the batch tensors, params it reduce-scatters)
+        self.captures = self.replays = 0
+
+    def key(self, batch, ws_short: int, ws_long: int) -> tuple:
+        """The last entry: the indices of the params whose gradient this micro-batch starts (writes_first only)."""
+        reduces = self.adam.should_sync and self.adam.world_size > 1
+        grads_started = tuple(i for i, p in enumerate(self.params) if p.grad is None) if self.writes_first else ()
+        return (tuple((t.shape, t.dtype) for t in batch), ws_short, ws_long, self.model.yarn.attn_scale, reduces,
+                grads_started)
+
+    def attach_grads(self, grads_started: tuple = ()):
+        """Point every .grad at the graphs' buffers: None becomes the zeroed buffer, a gradient made elsewhere is copied
+        into it; the params in grads_started stay None (the graph writes their buffers)."""
+        zero = []
+        for i, (p, g) in enumerate(zip(self.params, self.grads)):
+            if p.grad is g or i in grads_started:
+                continue
+            if p.grad is None:
+                zero.append(g)
+            else:
+                g.copy_(p.grad)
+            p.grad = g
+        if zero:
+            torch._foreach_zero_(zero)
+
+    def take_started_grads(self, grads_started: tuple):
+        """Copy the gradients that the backward just made for the params in grads_started into their buffers (a
+        param that got none: zeros), and point .grad at the buffers."""
+        made = [i for i in grads_started if self.params[i].grad is not None]
+        if made:
+            torch._foreach_copy_([self.grads[i] for i in made], [self.params[i].grad for i in made])
+        unused = [self.grads[i] for i in grads_started if self.params[i].grad is None]
+        if unused:
+            torch._foreach_zero_(unused)
+        for i in grads_started:
+            self.params[i].grad = self.grads[i]
+
+    def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward) -> Tensor:
+        """One micro-batch through its graph: forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor)
+        runs loss / divisor backward and returns the loss, which the graph writes into self.loss (returned; the next
+        micro-batch writes over it)."""
+        key = self.key(batch, ws_short, ws_long)
+        grads_started = key[-1]
+        self.attach_grads(grads_started)
+        if micro_batches != self.divisor_value:
+            self.divisor.fill_(micro_batches)
+            self.divisor_value = micro_batches
+        entry = self.graphs.get(key)
+        if entry is None:
+            static = tuple(t.clone() for t in batch)
+            reduced = []
+
+            def micro_batch():
+                for i in grads_started:  # an eager run before the capture left its buffer here
+                    self.params[i].grad = None
+                self.loss.copy_(forward_backward(*static, ws_short, ws_long, self.divisor))
+                self.take_started_grads(grads_started)
+                reduced[:] = self.adam.join_reduce_scatters()
+
+            graph = CudaGraph()
+            ran = graph.capture(micro_batch)
+            entry = self.graphs[key] = (graph, static, reduced)
+            self.captures += 1
+            if ran:
+                return self.loss
+        else:
+            for mine, t in zip(entry[1], batch):
+                mine.copy_(t, non_blocking=True)
+        graph, _, reduced = entry
+        graph.replay()
+        for i in grads_started:  # the replay wrote their buffers; .grad is still None (no Python runs in a replay)
+            self.params[i].grad = self.grads[i]
+        if reduced:
+            self.adam.reduce_scatters_replayed(reduced)
+        self.replays += 1
+        return self.loss
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has produced in this process (model regions and optimizer helpers)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+def compile_cache_counts() -> dict:
+    """This process's cache hits and misses: Inductor's compiled graphs and AOT autograd's traced ones."""
+    c = torch._dynamo.utils.counters
+    return dict(inductor=dict(hits=int(c["inductor"]["fxgraph_cache_hit"]),
+                              misses=int(c["inductor"]["fxgraph_cache_miss"])),
+                aot_autograd=dict(hits=int(c["aot_autograd"]["autograd_cache_hit"]),
+                                  misses=int(c["aot_autograd"]["autograd_cache_miss"])))
+
+def no_compiles_allowed(enabled: bool = True):
+    """Context in which any torch.compile (re)compilation raises instead of silently spending tens of seconds:
+    every graph the timed loop needs must have been compiled by the warm-up."""
+    return torch.compiler.set_stance("fail_on_recompile") if enabled else contextlib.nullcontext()
+
+def replicas_identical(model: nn.Module) -> bool:
+    """True when every rank holds bit-identical parameters (integer checksums of the raw bits, all-gathered)."""
+    sums = []
+    for p in model.parameters():
+        bits = p.detach().contiguous().view(torch.int16 if p.element_size() == 2 else torch.int32).long().flatten()
+        weights = torch.arange(1, bits.numel() + 1, device=bits.device) % 65521  # position-sensitive
+        sums += [bits.sum(), (bits * weights).sum()]
+    local = torch.stack(sums)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+def synchronize(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+def peak_memory(device: str) -> tuple:
+    """(allocated, reserved, the graphs' pool) in MiB: reserved is all the process holds on the GPU, the graphs' pool
+    (their temporaries, not counted as allocated) included. A CPU run: its peak resident set size for both."""
+    if device == "cuda":
+        return (torch.cuda.max_memory_allocated() // 2**20, torch.cuda.max_memory_reserved() // 2**20,
+                CudaGraph.pool_bytes() // 2**20)
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    return rss, rss, 0
+
+def peak_memory_line(device: str) -> str:
+    allocated, reserved, pool = peak_memory(device)
+    return f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB" + \
+        (f" graphs' pool: {pool} MiB" if device == "cuda" else "")
+
+class NonFiniteLossWatch:
+    """Stops a run whose training loss is no longer finite without making the host wait: the device counts the steps
+    with a finite loss, and rank 0 reads that count from a pinned copy once its event has passed, a step or two later
+    (a non-finite loss on any rank reaches every rank's weights at the next step; the launcher ends the others)."""
+
+    def __init__(self, device: str, master: bool):
+        self.active, self.cuda = master, device == "cuda"
+        self.finite_steps = torch.zeros((), dtype=torch.int64, device=device)
+        self.seen = torch.zeros((), dtype=torch.int64, pin_memory=self.cuda)
+        self.copied_steps, self.copied = 0, None  # steps the count in `seen` covers, and its copy's event
+
+    def after_step(self, step: int, loss: Tensor):
+        if not self.active:
+            return
+        self.finite_steps += torch.isfinite(loss)
+        if self.copied is not None and not self.copied.query():
+            return
+        if int(self.seen) < self.copied_steps:
+            raise TrainingDiverged(f"stopped at step {int(self.seen) + 1}: its training loss is not finite")
+        self.seen.copy_(self.finite_steps, non_blocking=self.cuda)
+        self.copied_steps = step + 1
+        if self.cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+# --- bf16 GEMMs on CPUs without native bf16 ---
+# On x86 CPUs without AVX-512 (most laptops, AMD servers) ATen runs bf16 GEMMs as loops 5-7x slower than an fp32
+# GEMM. A bf16 x bf16 product is exact in fp32, so an fp32 GEMM of the bf16 operands rounded once to bf16 is what a
+# bf16 GEMM with fp32 accumulation computes (up to the order of the sums): there the eager CPU path takes it.
+
+def native_bf16_gemms() -> bool:
+    """Whether ATen hands bf16 GEMMs on this CPU to oneDNN (honours ONEDNN_MAX_CPU_ISA)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+def gemm_in_fp32(gemm_out):
+    """A CPU kernel for a GEMM op: bf16 operands widened to fp32, ATen's kernel (the op's out= form), rounded once."""
+    def kernel(*args, **kwargs):
+        bf16 = args[-1].dtype == torch.bfloat16
+        args = [a.float() if bf16 and isinstance(a, Tensor) else a for a in args]
+        out = gemm_out(*args, **kwargs, out=args[-1].new_empty(0))
+        return out.bfloat16() if bf16 else out
+    return kernel
+
+@contextlib.contextmanager
+def bf16_gemms_in_fp32():
+    """Within it, every bf16 CPU GEMM (the backward's too) runs in fp32, rounded once: the four GEMM ops get CPU kernels
+    of their own, process-wide (a dispatch mode would send every op through Python, 30x the calls). Not reentrant."""
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ATen's notice that a kernel is overridden
+        for op in ("mm", "addmm", "bmm", "baddbmm"):
+            lib.impl(op, gemm_in_fp32(getattr(torch.ops.aten, op).out), "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()  # ATen's own kernels again
+
+
+# =====================================================================================
+# Engine room: the log, checkpoints, locks and every way a run ends
 # =====================================================================================
 
 def process_start_time() -> float:
@@ -2723,704 +3535,6 @@ def nvidia_smi() -> str:
     except (OSError, subprocess.SubprocessError):
         return "nvidia-smi: not available\n"
 
-# --- CUDA graphs of the training micro-batch ---
-# At stage 1 the host needs about as long to launch a micro-batch's few hundred kernels as the GPU needs to run
-# them. A CUDA graph records one micro-batch's forward and backward launches, every kernel library's included, and
-# replays them with one call, reading and writing the addresses it was captured with: the graphs keep their own
-# batch tensors and one set of gradients, and share one memory pool for their temporaries. Host values are frozen
-# at capture (see GPT.forward). With several processes, the micro-batch that ends an Adam step launches DistAdam's
-# reduce-scatters from its gradient hooks: NCCL collectives can be captured (NCCL 2.9+) when every rank captures and
-# replays the same graphs in the same order, which the keys guarantee. Such a capture ends by joining NCCL's
-# stream, so a replay leaves the averaged gradients where DistAdam's step reads them.
-
-class CudaGraph:
-    """torch.cuda.CUDAGraph captured on a side stream. The first capture runs the micro-batch there eagerly first (state
-    made lazily per stream, cuBLAS's workspace, must not be made in a capture); later ones only record."""
-    stream = pool = None  # shared by every capture
-
-    def capture(self, fn) -> bool:
-        """Record fn. True where fn also ran (the micro-batch's work is done), False where a replay must do it."""
-        first = CudaGraph.stream is None
-        if first:
-            CudaGraph.stream, CudaGraph.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
-        side = CudaGraph.stream
-        side.wait_stream(torch.cuda.current_stream())
-        if first:
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: NCCL's watchdog thread may query its events while this thread captures
-        with torch.cuda.graph(self.graph, pool=CudaGraph.pool, stream=side, capture_error_mode="thread_local"):
-            fn()
-        return first
-
-    def replay(self):
-        self.graph.replay()
-
-    @staticmethod
-    def pool_bytes() -> int:
-        """Memory the graphs' pool holds (reserved for their temporaries; not in the allocator's allocated count)."""
-        if CudaGraph.pool is None:
-            return 0
-        pool = tuple(CudaGraph.pool)
-        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-                   if tuple(seg.get("segment_pool_id", ())) == pool)
-
-class MicroBatchGraphs:
-    """Training micro-batches as graphs, one per key (shapes, windows, softmax scale, whether it launches DistAdam's
-    reduce-scatters, which gradients it starts): a key's first micro-batch is captured, later ones replay.
-    writes_first (one micro-batch a step, 8 GPUs): a gradient set to None is handed over by autograd and copied into
-    its buffer, as the record's backward does, instead of added to a zeroed buffer."""
-
-    def __init__(self, model: nn.Module, adam: "DistAdam", grad_buffers: dict = None, writes_first: bool = False):
-        self.model, self.adam, self.writes_first = model, adam, writes_first
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        grad_buffers = grad_buffers or {}  # param -> where an optimizer wants its gradient (NorMuon's stacks)
-        # the gradients every graph accumulates into, made here, outside the graphs' memory pool
-        self.grads = [grad_buffers[p] if p in grad_buffers else torch.zeros_like(p) for p in self.params]
-        device = self.params[0].device
-        self.divisor = torch.zeros((), dtype=torch.float32, device=device)  # micro-batches per step
-        self.loss = torch.zeros((), dtype=torch.float32, device=device)     # the last replayed micro-batch's loss
-        self.divisor_value = None
-        self.graphs = {}         # key -> (graph, static copies of the batch tensors, params it reduce-scatters)
-        self.captures = self.replays = 0
-
-    def key(self, batch, ws_short: int, ws_long: int) -> tuple:
-        """The last entry: the indices of the params whose gradient this micro-batch starts (writes_first only)."""
-        reduces = self.adam.should_sync and self.adam.world_size > 1
-        grads_started = tuple(i for i, p in enumerate(self.params) if p.grad is None) if self.writes_first else ()
-        return (tuple((t.shape, t.dtype) for t in batch), ws_short, ws_long, self.model.yarn.attn_scale, reduces,
-                grads_started)
-
-    def attach_grads(self, grads_started: tuple = ()):
-        """Point every .grad at the graphs' buffers: None becomes the zeroed buffer, a gradient made elsewhere is copied
-        into it; the params in grads_started stay None (the graph writes their buffers)."""
-        zero = []
-        for i, (p, g) in enumerate(zip(self.params, self.grads)):
-            if p.grad is g or i in grads_started:
-                continue
-            if p.grad is None:
-                zero.append(g)
-            else:
-                g.copy_(p.grad)
-            p.grad = g
-        if zero:
-            torch._foreach_zero_(zero)
-
-    def take_started_grads(self, grads_started: tuple):
-        """Copy the gradients that the backward just made for the params in grads_started into their buffers (a
-        param that got none: zeros), and point .grad at the buffers."""
-        made = [i for i in grads_started if self.params[i].grad is not None]
-        if made:
-            torch._foreach_copy_([self.grads[i] for i in made], [self.params[i].grad for i in made])
-        unused = [self.grads[i] for i in grads_started if self.params[i].grad is None]
-        if unused:
-            torch._foreach_zero_(unused)
-        for i in grads_started:
-            self.params[i].grad = self.grads[i]
-
-    def run(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int, forward_backward) -> Tensor:
-        """One micro-batch through its graph: forward_backward(inputs, targets, cu_seqlens, ws_short, ws_long, divisor)
-        runs loss / divisor backward and returns the loss, which the graph writes into self.loss (returned; the next
-        micro-batch writes over it)."""
-        key = self.key(batch, ws_short, ws_long)
-        grads_started = key[-1]
-        self.attach_grads(grads_started)
-        if micro_batches != self.divisor_value:
-            self.divisor.fill_(micro_batches)
-            self.divisor_value = micro_batches
-        entry = self.graphs.get(key)
-        if entry is None:
-            static = tuple(t.clone() for t in batch)
-            reduced = []
-
-            def micro_batch():
-                for i in grads_started:  # an eager run before the capture left its buffer here
-                    self.params[i].grad = None
-                self.loss.copy_(forward_backward(*static, ws_short, ws_long, self.divisor))
-                self.take_started_grads(grads_started)
-                reduced[:] = self.adam.join_reduce_scatters()
-
-            graph = CudaGraph()
-            ran = graph.capture(micro_batch)
-            entry = self.graphs[key] = (graph, static, reduced)
-            self.captures += 1
-            if ran:
-                return self.loss
-        else:
-            for mine, t in zip(entry[1], batch):
-                mine.copy_(t, non_blocking=True)
-        graph, _, reduced = entry
-        graph.replay()
-        for i in grads_started:  # the replay wrote their buffers; .grad is still None (no Python runs in a replay)
-            self.params[i].grad = self.grads[i]
-        if reduced:
-            self.adam.reduce_scatters_replayed(reduced)
-        self.replays += 1
-        return self.loss
-
-class BatchStream:
-    """The data generator, primed on first use."""
-    def __init__(self, generator):
-        self.generator, self.started = generator, False
-
-    def get(self, settings=None):
-        if not self.started:
-            self.started = True
-            return next(self.generator)  # the generator was created with the first settings
-        return self.generator.send(settings)
-
-def check_optimizer_labels(model: nn.Module, world_sizes=(1, 2, 4, 8)) -> None:
-    """Every parameter's label and treatment (set_optimizer_label) can work, at each world size: one ConfigError
-    naming the parameter otherwise."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    seen = {}  # label -> (treatment, the first parameter with it)
-    for name, p in model.named_parameters():
-        label, treatment = getattr(p, "label", None), getattr(p, "treatment", None)
-        if label is None or treatment not in TREATMENTS:
-            missing = "no optimizer label" if label is None else f"label {label!r} but no treatment"
-            raise ConfigError(f"parameter {name} has {missing}: give it both where it is made, "
-                              "set_optimizer_label(p, LABEL, TREATMENT), LABEL naming its group and TREATMENT one of "
-                              + "; ".join(f"{k} ({v})" for k, v in TREATMENTS.items()))
-        if seen.setdefault(label, (treatment, name))[0] != treatment:
-            raise ConfigError(f"parameter {name} has label {label!r} as {treatment}, but {seen[label][1]} has it "
-                              f"as {seen[label][0]}: a label is one group with one treatment; give one of them another "
-                              "label")
-        if treatment != "adam" and p.dim() != 2:
-            raise ConfigError(f"parameter {name} of shape {tuple(p.shape)} is treated as {treatment}, but NorMuon "
-                              "takes 2-D matrices: make it one, or treat it as adam")
-        if treatment == "qkvo" and p.shape[0] != 4 * p.shape[1]:
-            raise ConfigError(f"parameter {name} is treated as qkvo, but its shape {tuple(p.shape)} is not (4d, d), "
-                              "Q, K, V and O stacked")
-    matrices = [p for p in model.parameters() if p.treatment != "adam"]
-    for world_size in world_sizes:
-        for group, ps in normuon_groups(matrices, world_size)[0]:
-            chunk = -(-len(ps) // world_size)
-            for r in range(world_size):
-                shard = ps[r * chunk:(r + 1) * chunk]
-                if len({p.treatment for p in shard}) > 1 and any(p.treatment == "qkvo" for p in shard):
-                    qkvo = next(p for p in shard if p.treatment == "qkvo")
-                    raise ConfigError(f"on {world_size} processes, NorMuon's rank {r} would stack parameter "
-                                      f"{names[id(qkvo)]} (qkvo) with matrices of another treatment in group "
-                                      f"{group}: give them labels of their own")
-
-def optimizer_plan(model: nn.Module, world_size: int) -> dict:
-    """{parameter name: (optimizer group, how its update is normalised)}: what build_optimizers makes of the labels."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    plan = {}
-    for group, ps in normuon_groups([p for p in model.parameters() if p.treatment != "adam"], world_size)[0]:
-        for p in ps:
-            stats = "per row" if normuon_reduce_dim(p.treatment, p.shape) == -1 else "per column"
-            plan[names[id(p)]] = (f"NorMuon {group}", f"{p.treatment}, second moment {stats}")
-    for name, p in model.named_parameters():
-        if p.treatment == "adam":
-            plan[name] = (f"DistAdam {p.label}", f"adam, {rows_per_rank(p, world_size)} rows per rank")
-    return plan
-
-def build_optimizers(model: GPT, args: Hyperparameters):
-    """NorMuon for the matrices and gates, DistAdam for the rest, by each parameter's label (set_optimizer_label)."""
-    check_optimizer_labels(model, world_sizes=(_dist_world()[0],))
-    names = {id(p): n for n, p in model.named_parameters()}
-    muon_params = [p for p in model.parameters() if p.treatment != "adam"]
-    muon_params.sort(key=lambda p: p.treatment == "gate")  # matrices first, then the gates
-    adam_params = [p for p in model.parameters() if p.treatment == "adam"]
-    adam = DistAdam(adam_params, lr=args.adam_lr, betas=args.adam_betas, eps=args.adam_eps)
-    muon = NorMuon(muon_params, lr=args.muon_lr, weight_decay=args.muon_weight_decay,
-                   momentum=args.muon_momentum_warmup[0], beta2=args.muon_beta2, orthogonalizer=args.orthogonalizer)
-    muon.names = [names[id(p)] for p in muon_params]
-    for opt in (adam, muon):
-        for group in opt.param_groups:
-            group["initial_lr"] = group["lr"]
-    return adam, muon
-
-@dataclass(frozen=True)
-class RunResult:
-    steps: int
-    val_loss: float           # the final validation's
-    train_time_ms: float      # the timed loop's clock at the final validation
-
-TARGET_VAL_LOSS = 3.28
-
-def summary_line(args: Hyperparameters, runtime: "Runtime", result: RunResult) -> str:
-    """The log's last line: what a reader (or records/compare.py) wants first."""
-    reached = "reached" if result.val_loss <= TARGET_VAL_LOSS else "not reached"
-    allocated, reserved, pool = peak_memory(runtime.device)
-    memory = (f"peak_memory {allocated} MiB allocated, {reserved} MiB reserved ({pool} MiB graphs' pool)"
-              if runtime.device == "cuda" else "peak_memory n/a (cpu)")
-    return (f"summary: val_loss {result.val_loss:.4f} at step {result.steps}, train_time "
-            f"{result.train_time_ms / 1000:.3f}s, step_avg {result.train_time_ms / max(result.steps, 1):.2f}ms, "
-            f"{memory}, target {TARGET_VAL_LOSS} {reached}")
-
-class RunStopped(BaseException):
-    """The run ends early with a message for the log's last line and an exit status (no traceback). Not an Exception,
-    as KeyboardInterrupt is not: raised from a signal handler, it must pass through library code that catches those
-    (a lazy import of Dynamo does)."""
-    status = 1
-
-    def last_line(self, where: str) -> str:
-        return str(self)
-
-class TrainingDiverged(RunStopped):
-    status = 3
-
-class Interrupted(RunStopped):
-    def __init__(self, signum: int):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.status = 128 + signum
-
-    def last_line(self, where: str) -> str:
-        return f"{self} {where}"
-
-class GraphsDiffer(RunStopped):
-    """--cuda-graphs check: a CUDA graph's loss differs from the same micro-batch's eager loss."""
-    status = 2
-
-class PeerGone(RunStopped):
-    """A collective failed because another rank ended: that rank's own output (or the launcher) says why."""
-    status = 5
-
-    def last_line(self, where: str) -> str:
-        return f"stopped {where}: another rank has ended (a collective failed)"
-
-class LauncherDied(RunStopped):
-    """The process that started this worker died (LAUNCHER_DIED, the parent-death signal)."""
-    status = 128 + LAUNCHER_DIED
-
-    def last_line(self, where: str) -> str:
-        return f"stopped {where}: the launcher died"
-
-@dataclass
-class Trainer:
-    args: Hyperparameters
-    runtime: "Runtime"
-    model: GPT                 # compiled per region (GPT.compile_regions) or plain
-    adam: object
-    muon: object
-    train_files: list
-    val_file: str
-    log: "Logger"
-    graphs: "MicroBatchGraphs" = None   # --cuda-graphs: the training micro-batches as CUDA graphs
-
-    def console(self, text: str):
-        if self.log.master:
-            print(text, flush=True)
-
-    def new_batches(self, batch_size: int) -> BatchStream:
-        a, r = self.args, self.runtime
-        return BatchStream(distributed_data_generator(self.train_files, batch_size, a.train_max_seq_len,
-                                                      r.grad_accum_steps, r.rank, r.world_size, a.train_epochs,
-                                                      r.device))
-
-    def train_step(self, step: int, batches: BatchStream, settings, ws_short: int, ws_long: int,
-                   micro_batches: int) -> Tensor:
-        """One training step: every micro-batch's forward and backward, the gradients summed in .grad, then the
-        optimizers. NorMuon steps every step; DistAdam every other step, on the gradients summed over two steps (on
-        those steps the last backward's gradient hooks start its reduce-scatters). settings: the data generator's
-        new (batch size, ...) at a stage switch, else None. Returns the last micro-batch's loss."""
-        adam_steps = step % 2 == 1
-        for micro in range(micro_batches):
-            batch = batches.get(settings if micro == 0 else None)
-            self.adam.should_sync = adam_steps and micro == micro_batches - 1
-            loss = self.micro_batch(batch, ws_short, ws_long, micro_batches)
-        self.adam.should_sync = False
-        if adam_steps:
-            self.adam.step()
-        self.muon.step()
-        (self.model if adam_steps else self.muon).zero_grad(set_to_none=True)
-        return loss
-
-    def graphs_against_eager(self, step: int, stage: "Stage") -> None:
-        """--cuda-graphs check, at a stage's first step: one of its micro-batches replayed as its CUDA graph and run
-        eagerly, from the same weights. A value the forward reads that has changed since the capture (a Python
-        number is frozen into the graph) makes their losses differ: the run stops, saying so. The gradients and
-        the data stream are left as they were."""
-        batch = self.new_batches(stage.batch_size).get()
-        params = list(self.model.parameters())
-        before = [None if p.grad is None else p.grad.clone() for p in params]
-        n = self.runtime.grad_accum_steps
-        graphed = self.graphs.run(batch, stage.ws_short, stage.ws_long, n, self.forward_backward).clone()
-        eager = self.forward_backward(*batch, stage.ws_short, stage.ws_long, n)
-        for p, g in zip(params, before):
-            if g is None or p.grad is None:
-                p.grad = g
-            else:
-                p.grad.copy_(g)
-        if not torch.equal(graphed, eager):
-            raise GraphsDiffer(f"stopped at step {step}: {stage.name}'s CUDA graph gives loss {graphed.item():.6f} "
-                               f"and eager {eager.item():.6f}: the forward reads a value that changed since the graphs "
-                               f"were captured (README: Changing the model)")
-        self.log(f"cuda graphs check: {stage.name} at step {step}: graph and eager loss {eager.item():.6f}",
-                 console=False)
-
-    def micro_batch(self, batch: tuple, ws_short: int, ws_long: int, micro_batches: int) -> Tensor:
-        """One micro-batch's forward and backward: its CUDA graph replayed, or run eagerly. Returns its loss."""
-        if self.graphs is not None:
-            return self.graphs.run(batch, ws_short, ws_long, micro_batches, self.forward_backward)
-        return self.forward_backward(*batch, ws_short, ws_long, micro_batches)
-
-    def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor) -> Tensor:
-        """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward. Returns
-        the loss, detached."""
-        with self.cpu_gemms():
-            loss = self.model(inputs, targets, cu_seqlens, ws_short, ws_long, self.args.train_max_seq_len)
-            (loss / divisor).backward()
-        return loss.detach()
-
-    def cpu_gemms(self):
-        """Where the model's GEMMs run in fp32 (a CPU without native bf16 GEMMs), else nothing."""
-        return bf16_gemms_in_fp32() if self.runtime.bf16_gemms_in_fp32 else contextlib.nullcontext()
-
-    def set_schedules(self, step: int):
-        lr = get_lr(step, self.args)
-        for opt in (self.adam, self.muon):
-            for group in opt.param_groups:
-                group["lr"] = group["initial_lr"] * lr
-        for group in self.muon.param_groups:
-            group["momentum"] = get_muon_momentum(step, self.args)
-
-    @torch.no_grad()
-    def evaluate(self, ws_short: int, ws_long: int, max_steps: int = None) -> float:
-        a, r = self.args, self.runtime
-        self.model.eval()
-        num_tokens = tokens_per_micro_batch(a.val_batch_size, r.grad_accum_steps, r.world_size)
-        total, steps = torch.zeros((), device=r.device), 0
-        for inputs, targets, cu_seqlens in validation_batches(self.val_file, a.val_batch_size, a.val_tokens,
-                                                              r.grad_accum_steps, r.rank, r.world_size, r.device):
-            with self.cpu_gemms():
-                total += self.model(inputs, targets, cu_seqlens, ws_short, ws_long, num_tokens)
-            steps += 1
-            if max_steps is not None and steps >= max_steps:
-                break
-        total /= steps
-        if dist.is_initialized():
-            dist.all_reduce(total)  # SUM then divide: gloo has no AVG all-reduce
-            total /= r.world_size
-        self.model.train()
-        return total.item()
-
-    def warm_up_kernels(self):
-        """Untimed: each stage eagerly (it compiles and makes every lazily made state), then with CUDA graphs each
-        stage again, captured into the graphs' pool after the eager blocks are released (so they never hold memory
-        at the same time), then every validation window; last, the initial weights and optimizer states return."""
-        a = self.args
-        self.warm_up_times = []  # (label, seconds): where the cold start goes
-        initial = copy.deepcopy(dict(model=self.model.state_dict(),
-                                     opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
-        graphs, self.graphs = self.graphs, None
-        passes = [("eager", 2)] + ([("graphs", a.warmup_steps_per_stage)] if graphs is not None else [])
-        for kind, steps in passes:
-            self.graphs = graphs if kind == "graphs" else None
-            batches = self.new_batches(stages(a)[0].batch_size)
-            for stage in stages(a):
-                t = time.time()
-                self.model.yarn.set_window(stage.ws_long)
-                for k in range(steps):
-                    self.train_step(k, batches, (stage.batch_size, a.train_max_seq_len, self.runtime.grad_accum_steps),
-                                    stage.ws_short, stage.ws_long, micro_batches=1)
-                synchronize(self.runtime.device)
-                seconds = time.time() - t
-                self.warm_up_times.append((f"train {kind} batch {stage.batch_size} window {stage.ws_long}", seconds))
-                self.console(f"warm-up: {kind} train steps for batch {stage.batch_size}, window {stage.ws_long}: "
-                             f"{seconds:.1f}s ({compiled_graph_count()} graphs compiled so far)")
-            self.model.zero_grad(set_to_none=True)
-            self.model.yarn.reset()
-            if self.runtime.device == "cuda":
-                torch.cuda.empty_cache()  # this pass's cached blocks: the next pass allocates elsewhere
-        if graphs is not None:
-            self.log(f"CUDA graphs: {graphs.captures} training micro-batches captured, memory pool "
-                     f"{CudaGraph.pool_bytes() / 2**30:.2f} GiB")
-        windows = eval_windows(a)
-        for i, (short, long) in enumerate(windows):
-            if i < len(windows) - 1:  # the final validation widens the window without a YaRN update
-                self.model.yarn.set_window(long)
-            t = time.time()
-            self.evaluate(short, long, max_steps=1)
-            seconds = time.time() - t
-            self.warm_up_times.append((f"eval windows {short},{long}", seconds))
-            self.console(f"warm-up: eval for windows ({short}, {long}): {seconds:.1f}s "
-                         f"({compiled_graph_count()} graphs compiled so far)")
-        self.model.train()
-        self.model.yarn.reset()
-        self.muon.reset()
-        self.model.load_state_dict(initial["model"])
-        for opt, state in zip((self.adam, self.muon), initial["opts"]):
-            opt.load_state_dict(state)
-
-    def train(self) -> "RunResult":
-        """The timed run: per step the stage's batch size and windows, a validation where due (off the clock), the
-        schedules, then train_step. Nothing may compile in here: the warm-up compiled every graph."""
-        a, log = self.args, self.log
-        total = a.num_iterations
-        table = stages(a)
-        batches = self.new_batches(table[0].batch_size)
-        previous_bs = table[0].batch_size
-        switch_steps = {s.first_step for s in table if s.first_step < total}
-        watch = NonFiniteLossWatch(self.runtime.device, self.runtime.master)
-        training_time_ms = 0.0
-        gc.collect()  # no stop-the-world gen-2 collection in the timed region
-        synchronize(self.runtime.device)
-        t0 = time.perf_counter()
-        with no_compiles_allowed(a.fail_on_recompile):
-            for step in range(total + 1):
-                log.where = f"at step {step}"
-                last = step == total
-                stage = table[stage_index(step, a)]
-                ws_short, ws_long = stage.ws_short, stage.ws_long
-                if step in switch_steps:
-                    log(schedule_line(step, a))
-                self.model.yarn.set_window(ws_long)
-                validate = last or (a.val_loss_every > 0 and step % a.val_loss_every == 0)
-                check_graphs = self.runtime.check_graphs and step in switch_steps
-                if validate or check_graphs:  # off the clock
-                    synchronize(self.runtime.device)
-                    if step > 0:  # before step 0 nothing has trained: a slow log write is not training time
-                        training_time_ms += 1000 * (time.perf_counter() - t0)
-                    if validate:
-                        eval_long = a.ws_validate_post_yarn_ext if last else ws_long  # the final: no YaRN update
-                        val_loss = self.evaluate(ws_short, eval_long)
-                        if not math.isfinite(val_loss):
-                            raise TrainingDiverged(f"stopped at step {step}: the validation loss is {val_loss}")
-                        log(f"step:{step}/{total} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
-                            f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
-                    if check_graphs and not last:
-                        self.set_schedules(step)
-                        self.graphs_against_eager(step, stage)
-                    synchronize(self.runtime.device)
-                    t0 = time.perf_counter()
-                if last:
-                    break
-                bs = stage.batch_size
-                settings = (bs, a.train_max_seq_len, self.runtime.grad_accum_steps) if bs != previous_bs else None
-                previous_bs = bs
-                self.set_schedules(step)
-                loss = self.train_step(step, batches, settings, ws_short, ws_long, self.runtime.grad_accum_steps)
-                watch.after_step(step, loss)
-                approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
-                log(f"step:{step + 1}/{total} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / (step + 1):.2f}ms")
-        log.where = "after the last step"
-        return RunResult(steps=total, val_loss=val_loss, train_time_ms=training_time_ms)
-
-
-# =====================================================================================
-# Diagnostics
-# =====================================================================================
-
-def compiled_graph_count() -> int:
-    """Graphs torch.compile has produced in this process (model regions and optimizer helpers)."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-def compile_cache_counts() -> dict:
-    """This process's cache hits and misses: Inductor's compiled graphs and AOT autograd's traced ones."""
-    c = torch._dynamo.utils.counters
-    return dict(inductor=dict(hits=int(c["inductor"]["fxgraph_cache_hit"]),
-                              misses=int(c["inductor"]["fxgraph_cache_miss"])),
-                aot_autograd=dict(hits=int(c["aot_autograd"]["autograd_cache_hit"]),
-                                  misses=int(c["aot_autograd"]["autograd_cache_miss"])))
-
-def no_compiles_allowed(enabled: bool = True):
-    """Context in which any torch.compile (re)compilation raises instead of silently spending tens of seconds:
-    every graph the timed loop needs must have been compiled by the warm-up."""
-    return torch.compiler.set_stance("fail_on_recompile") if enabled else contextlib.nullcontext()
-
-def replicas_identical(model: nn.Module) -> bool:
-    """True when every rank holds bit-identical parameters (integer checksums of the raw bits, all-gathered)."""
-    sums = []
-    for p in model.parameters():
-        bits = p.detach().contiguous().view(torch.int16 if p.element_size() == 2 else torch.int32).long().flatten()
-        weights = torch.arange(1, bits.numel() + 1, device=bits.device) % 65521  # position-sensitive
-        sums += [bits.sum(), (bits * weights).sum()]
-    local = torch.stack(sums)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
-    return all(torch.equal(g, gathered[0]) for g in gathered)
-
-def synchronize(device: str):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-def peak_memory(device: str) -> tuple:
-    """(allocated, reserved, the graphs' pool) in MiB: reserved is all the process holds on the GPU, the graphs' pool
-    (their temporaries, not counted as allocated) included. A CPU run: its peak resident set size for both."""
-    if device == "cuda":
-        return (torch.cuda.max_memory_allocated() // 2**20, torch.cuda.max_memory_reserved() // 2**20,
-                CudaGraph.pool_bytes() // 2**20)
-    import resource
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-    return rss, rss, 0
-
-def peak_memory_line(device: str) -> str:
-    allocated, reserved, pool = peak_memory(device)
-    return f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB" + \
-        (f" graphs' pool: {pool} MiB" if device == "cuda" else "")
-
-class NonFiniteLossWatch:
-    """Stops a run whose training loss is no longer finite without making the host wait: the device counts the steps
-    with a finite loss, and rank 0 reads that count from a pinned copy once its event has passed, a step or two later
-    (a non-finite loss on any rank reaches every rank's weights at the next step; the launcher ends the others)."""
-
-    def __init__(self, device: str, master: bool):
-        self.active, self.cuda = master, device == "cuda"
-        self.finite_steps = torch.zeros((), dtype=torch.int64, device=device)
-        self.seen = torch.zeros((), dtype=torch.int64, pin_memory=self.cuda)
-        self.copied_steps, self.copied = 0, None  # steps the count in `seen` covers, and its copy's event
-
-    def after_step(self, step: int, loss: Tensor):
-        if not self.active:
-            return
-        self.finite_steps += torch.isfinite(loss)
-        if self.copied is not None and not self.copied.query():
-            return
-        if int(self.seen) < self.copied_steps:
-            raise TrainingDiverged(f"stopped at step {int(self.seen) + 1}: its training loss is not finite")
-        self.seen.copy_(self.finite_steps, non_blocking=self.cuda)
-        self.copied_steps = step + 1
-        if self.cuda:
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-
-# --- bf16 GEMMs on CPUs without native bf16 ---
-# On x86 CPUs without AVX-512 (most laptops, AMD servers) ATen runs bf16 GEMMs as loops 5-7x slower than an fp32
-# GEMM. A bf16 x bf16 product is exact in fp32, so an fp32 GEMM of the bf16 operands rounded once to bf16 is what a
-# bf16 GEMM with fp32 accumulation computes (up to the order of the sums): there the eager CPU path takes it.
-
-def native_bf16_gemms() -> bool:
-    """Whether ATen hands bf16 GEMMs on this CPU to oneDNN (honours ONEDNN_MAX_CPU_ISA)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-def gemm_in_fp32(gemm_out):
-    """A CPU kernel for a GEMM op: bf16 operands widened to fp32, ATen's kernel (the op's out= form), rounded once."""
-    def kernel(*args, **kwargs):
-        bf16 = args[-1].dtype == torch.bfloat16
-        args = [a.float() if bf16 and isinstance(a, Tensor) else a for a in args]
-        out = gemm_out(*args, **kwargs, out=args[-1].new_empty(0))
-        return out.bfloat16() if bf16 else out
-    return kernel
-
-@contextlib.contextmanager
-def bf16_gemms_in_fp32():
-    """Within it, every bf16 CPU GEMM (the backward's too) runs in fp32, rounded once: the four GEMM ops get CPU kernels
-    of their own, process-wide (a dispatch mode would send every op through Python, 30x the calls). Not reentrant."""
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ATen's notice that a kernel is overridden
-        for op in ("mm", "addmm", "bmm", "baddbmm"):
-            lib.impl(op, gemm_in_fp32(getattr(torch.ops.aten, op).out), "CPU")
-    try:
-        yield
-    finally:
-        lib._destroy()  # ATen's own kernels again
-
-
-# =====================================================================================
-# main(): settings -> runtime -> trainer -> run
-# =====================================================================================
-
-@dataclass(frozen=True)
-class Runtime:
-    """How this process runs, resolved once from the settings, the launcher's environment and the machine."""
-    device: str               # cuda | cpu
-    rank: int
-    local_rank: int
-    world_size: int
-    launched: bool            # started by torchrun (RANK, MASTER_ADDR set): a process group even for one process
-    grad_accum_steps: int     # micro-batches per step: 8 // world_size, so the global batch never changes
-    compile: bool
-    fp8: bool
-    kernels: dict = field(default_factory=dict)      # {name: the function the model calls} (resolve_kernels)
-    kernel_notes: tuple = ()                          # fused kernels that cannot run here, and why
-    cuda_graphs: bool = False         # training micro-batches replayed as CUDA graphs (MicroBatchGraphs)
-    check_graphs: bool = False        # --cuda-graphs check: each stage's first step graphed and eager, compared
-    bf16_gemms_in_fp32: bool = False  # a CPU without native bf16 GEMMs: they run in fp32 (bf16_gemms_in_fp32)
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def fused(self) -> str:
-        """The fused kernels in use, comma-separated ("none": the plain model)."""
-        return ",".join(n for n, fn in self.kernels.items() if fn is not FUSED_KERNELS[n].plain) or "none"
-
-    def config_line(self, args: Hyperparameters) -> str:
-        """The log's `Run config:` line (records/compare.py reads it)."""
-        gpu_name = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
-        return (f'Run config: world_size={self.world_size} grad_accum_steps={self.grad_accum_steps} '
-                f'device={self.device} kernels={args.kernels} fused={self.fused} '
-                f'orthogonalizer={args.orthogonalizer} fp8={int(self.fp8)} compile={int(self.compile)} '
-                f'cuda_graphs={int(self.cuda_graphs)} bf16_gemms_in_fp32={int(self.bf16_gemms_in_fp32)} '
-                f'data_path={args.data_path} train_epochs={args.train_epochs} smoke={int(args.smoke)} '
-                f'num_iterations={args.num_iterations} seed={args.seed} gpu_name="{gpu_name}"')
-
-def grad_accum_steps_for(world_size: int) -> int:
-    if world_size in (1, 2, 4, 8):
-        return 8 // world_size
-    if world_size > 8 and world_size % 8 == 0:
-        return 1  # multi-node: one micro-batch per rank, same global batch
-    raise ConfigError(f"world size {world_size} is not supported: launch 1, 2, 4 or 8 processes per node "
-                      "(or a multiple of 8 across nodes), e.g. torchrun --nproc_per_node=8")
-
-def pick_device(args: Hyperparameters) -> str:
-    if args.device == "cpu":
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    if args.device == "cuda":
-        raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu (slow; try --smoke)")
-    if args.smoke:
-        return "cpu"
-    raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
-
-def launcher_variables(env, check: bool = False) -> tuple[int, int, int]:
-    """(WORLD_SIZE, RANK, LOCAL_RANK) as torchrun sets them (1, 0, 0 without it), checked; `check` (--check for
-    WORLD_SIZE processes, which it does not start) needs no rendezvous."""
-    values = {}
-    for name, default in (("WORLD_SIZE", "1"), ("RANK", "0"), ("LOCAL_RANK", "0")):
-        text = env.get(name, default)
-        if not re.fullmatch(r"\d{1,9}", text.strip()):
-            raise ConfigError(f"{name}={text!r} is not a process count or rank: torchrun sets it; unset it to run one "
-                              "process, or launch with torchrun")
-        values[name] = int(text)
-    world, rank, local = values["WORLD_SIZE"], values["RANK"], values["LOCAL_RANK"]
-    if world < 1 or rank >= world or local > rank:
-        raise ConfigError(f"WORLD_SIZE={world}, RANK={rank}, LOCAL_RANK={local} do not describe a process of a run "
-                          "(a rank is below the world size): unset them to run one process, or launch with torchrun")
-    grad_accum_steps_for(world)  # a world size that is not supported is said first
-    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
-    if world > 1 and missing and not check:
-        raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: start the processes with torchrun "
-                          "(./run.sh launch N), or unset WORLD_SIZE to run one process")
-    return world, rank, local
-
-def resolve_runtime(args: Hyperparameters) -> Runtime:
-    """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read."""
-    env = os.environ
-    world_size, rank, local_rank = launcher_variables(env, check=args.check or args.check_flags)
-    device = pick_device(args)
-    if device != args.device and device == "cpu" and rank == 0:
-        print("note: no CUDA device found, so the smoke run trains on the CPU (--device cpu says so and silences "
-              "this)", file=sys.stderr, flush=True)
-    use_compile = args.compile == "on" or (args.compile == "auto" and device == "cuda")
-    if use_compile and device != "cuda":
-        raise ConfigError("--compile on needs a CUDA GPU (the CPU's reference attention cannot be compiled)")
-    if args.fp8 == "on" and device != "cuda":
-        raise ConfigError("--fp8 on needs a CUDA GPU (FP8 matmuls); use --fp8 auto or off on the CPU")
-    if args.cuda_graphs in ("on", "check") and device != "cuda":
-        raise ConfigError(f"--cuda-graphs {args.cuda_graphs} needs a CUDA GPU: use --cuda-graphs auto or off")
-    fp8 = args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda")
-    kernels, notes = resolve_kernels(args.kernels, device, fp8)
-    return Runtime(device=device, rank=rank, local_rank=local_rank,
-                   world_size=world_size, launched=bool(env.get("MASTER_ADDR")) and "RANK" in env,
-                   grad_accum_steps=grad_accum_steps_for(world_size),
-                   compile=use_compile, fp8=fp8, kernels=kernels, kernel_notes=tuple(notes),
-                   cuda_graphs=args.cuda_graphs in ("on", "check") or (args.cuda_graphs == "auto" and device == "cuda"
-                                                                       and use_compile),
-                   check_graphs=args.cuda_graphs == "check",
-                   bf16_gemms_in_fp32=device == "cpu" and not use_compile and not native_bf16_gemms())
-
 def check_writable(path: Path, what: str) -> None:
     """The folder `path` is, or would be created in, must be one this process can write in: checked before anything
     is written or launched, so that a bad path is one line and not a traceback once the run has started. Symbolic
@@ -3484,129 +3598,103 @@ def check_outputs(args: Hyperparameters) -> None:
                               "name a new file (it is written after the warm-up) or one an earlier run wrote")
         check_writable(bundle.parent, "--compile-cache")
 
-def tokens_needed(args: Hyperparameters) -> int:
-    """Training tokens the whole schedule consumes: each stage's batch size times its steps."""
-    table, total = stages(args), args.num_iterations
-    ends = [s.first_step for s in table[1:]] + [total]
-    return sum(s.batch_size * max(0, min(end, total) - s.first_step) for s, end in zip(table, ends))
+def new_file_beside(path: Path) -> str:
+    """A new temporary file in path's folder (renamed to path once written: never half a file), readable as any new
+    file is (mkstemp's own mode is the owner's only)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    os.close(fd)
+    return tmp
 
-def find_data(args: Hyperparameters, runtime: "Runtime", scan: bool = True):
-    """Check the data before any process group exists or any file is written. Every rank reads the same shards, so a
-    problem is a ConfigError (reported once, by rank 0). scan: every token of every shard too (not where ./run.sh
-    launch has run --check before the workers, or once more when build_trainer looks the shards up again)."""
-    folder = Path(args.data_path)
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"--data-path {folder} is a file: give the folder that holds the shards")
-    if not folder.is_dir():
-        raise ConfigError(f"data folder {folder} does not exist: run `python data/cached_fineweb10B.py 9` "
-                          "(FineWeb) or `./run.sh proxy` and pass --data-path data/proxy")
-    # The folder is taken literally (its '[', '*' or '?' are no pattern); the file patterns are globs inside it.
-    train_files = sorted(glob.glob(os.path.join(glob.escape(str(folder)), args.train_files)))
-    val_files = sorted(glob.glob(os.path.join(glob.escape(str(folder)), args.val_files)))
-    if not train_files or not val_files:
-        raise ConfigError(f"no {'training' if not train_files else 'validation'} shards matching "
-                          f"{folder / (args.train_files if not train_files else args.val_files)}: "
-                          "download or build them first (see README)")
-    real_val = {os.path.realpath(f): f for f in val_files}
-    both = [f for f in train_files if os.path.realpath(f) in real_val]
-    if both:
-        raise ConfigError(f"{both[0]} matches both --train-files {args.train_files!r} and --val-files "
-                          f"{args.val_files!r}: training on the validation data would void the metric; narrow them")
+def save_checkpoint(path: Path, trainer: "Trainer", steps: int) -> None:
+    """Model and optimizer states, written to a new file beside `path` and renamed: never half a checkpoint."""
+    made = make_folders(path.parent)
+    tmp = new_file_beside(path)
     try:
-        if scan:
-            shards = [scan_shard(f, args.vocab_size) for f in train_files]
-            train_tokens = sum(n for n, _ in shards)
-            val_tokens = scan_shard(val_files[0], args.vocab_size)[0]
-        else:
-            train_tokens = sum(read_shard_header(f) for f in train_files)
-            val_tokens = read_shard_header(val_files[0])
-    except ShardError as e:
-        raise ConfigError(str(e)) from None
-    needed = tokens_needed(args)
-    if train_tokens * args.train_epochs < needed:
-        raise ConfigError(f"too little training data: the schedule consumes {needed:,} tokens but "
-                          f"{len(train_files)} shard(s) x {args.train_epochs} epoch(s) hold "
-                          f"{train_tokens * args.train_epochs:,}; add shards or raise --train-epochs")
-    if val_tokens < args.val_tokens + 1:
-        raise ConfigError(f"validation shard {val_files[0]} holds {val_tokens:,} tokens, fewer than "
-                          f"--val-tokens {args.val_tokens:,} + 1: lower --val-tokens (and --val-batch-size)")
-    for bs in (*args.train_bs_schedule, args.train_bs_extension, args.val_batch_size):
-        tokens_per_micro_batch(bs, runtime.grad_accum_steps, runtime.world_size)
-    out_at = data_runs_out_at(args, runtime, shards) if scan else None
-    if out_at is not None:
-        raise ConfigError(f"too little training data: taking whole documents for each micro-batch (cut at "
-                          f"--train-max-seq-len {args.train_max_seq_len}), the loader runs out at step {out_at} of "
-                          f"{args.num_iterations} with {len(train_files)} shard(s) x {args.train_epochs} epoch(s); add "
-                          "shards or raise --train-epochs")
-    return train_files, val_files[0]
+        torch.save(dict(step=steps, code=Path(__file__).read_text(), model=trainer.model.state_dict(),
+                        optimizers=[trainer.adam.state_dict(), trainer.muon.state_dict()]), tmp)
+        Path(tmp).replace(path)
+    except RuntimeError as e:  # torch.save's own report of a failed write (a full disk, usually)
+        free = shutil.disk_usage(path.parent).free
+        raise OSError(None, f"cannot write the checkpoint, {free / 2**20:.0f} MiB free there (torch.save: "
+                            f"{str(e).splitlines()[-1]})", str(path)) from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+        for folder in reversed(made if not path.exists() else []):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
-def setup_process_group(runtime: Runtime):
-    if runtime.device == "cuda":
-        torch.cuda.set_device(runtime.local_rank)
-        # Works around a first-backward bug seen on some systems (the record does the same).
-        torch.zeros(1, device="cuda", requires_grad=True).sum().backward()
-    else:  # glibc hands freed blocks of 32 MiB or more (fp32 logits) back and page-faults them in again: 1/3 of a step
-        libc = ctypes.CDLL(None)
-        if hasattr(libc, "mallopt"):  # M_MMAP_MAX 0: no block mapped alone; M_TRIM_THRESHOLD: keep up to 1 GiB free
-            libc.mallopt(-4, 0), libc.mallopt(-1, 1 << 30)
-    if runtime.world_size > 1 or runtime.launched:
-        if runtime.device == "cuda":
-            dist.init_process_group("nccl", device_id=torch.device("cuda", runtime.local_rank))
-        else:
-            dist.init_process_group("gloo")
-        dist.barrier()
+RANK0_REPORT_GRACE_S = 3.0  # how long the other ranks wait for rank 0 to report a config error
 
-RECOMPILE_LIMIT = 64  # graphs per code object (a train and an eval graph each; a few more for tests)
+def ignore_further_signals():
+    """A second signal (Ctrl-C twice, the launcher's SIGTERM after one) adds nothing to the stop under way. A handler
+    that does nothing, not SIG_IGN: Python raises an error for a signal that arrived before the switch to SIG_IGN."""
+    for s in (*STOP_SIGNALS, LAUNCHER_DIED):
+        signal.signal(s, lambda signum, frame: None)
 
-def build_model_and_optimizers(args: Hyperparameters, runtime: "Runtime"):
-    """The model on this process's device (rank 0's initialisation on every rank, compiled per region) and its two
-    optimizers."""
-    max_seq_len = max(tokens_per_micro_batch(bs, runtime.grad_accum_steps, runtime.world_size)
-                      for bs in (args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension))
-    model = GPT(args, max_seq_len=max_seq_len, kernels=runtime.kernels,
-                fp8=runtime.fp8).to(runtime.device)
-    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
-    if runtime.compile:
-        model.compile_regions(dynamic=False, fullgraph=True)
-    if dist.is_initialized():
-        for p in model.parameters():  # every rank starts from rank 0's initialisation
-            dist.broadcast(p.detach(), 0)
-    adam, muon = build_optimizers(model, args)
-    if runtime.compile:
-        muon.compile_helpers()
-        adam.compile_helpers()
-    return model, adam, muon
+def stop_on_signal(signum, frame):
+    """SIGINT, SIGTERM and SIGHUP end the run through Interrupted: the log's closing line, one console line, exit
+    128+N."""
+    ignore_further_signals()
+    raise Interrupted(signum)
 
-def build_trainer(args: Hyperparameters, runtime: "Runtime", log_file: Path, replace_log: bool = False) -> "Trainer":
-    """Everything a run needs, in one place (run() and bench/bench.py both call this): data and output paths checked
-    first, then the process group, the model and optimizers, and last the log with its header."""
-    train_files, val_file = find_data(args, runtime, scan=False)
-    check_writable(log_file.parent, "--log-dir")
-    lock = RunLock.acquire(log_file) if runtime.master else None  # the run id is this run's from here to the end
-    setup_process_group(runtime)
-    if args.seed >= 0:
-        torch.manual_seed(args.seed)
-    model, adam, muon = build_model_and_optimizers(args, runtime)
-    log = Logger(log_file, runtime.master, replace=replace_log, lock=lock)
-    if runtime.master:
-        print(log.path, flush=True)
-    log(Path(__file__).read_text(), console=False)
-    log(SEPARATOR, console=False)
-    log(f"Running Python {sys.version}", console=False)
-    log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}", console=False)
-    log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
-    log(runtime.config_line(args), console=False)
-    log(model.layers.line(), console=False)
-    for note in (*runtime.kernel_notes, muon.grouping_note):
-        if note:
-            log(note)
-    if args.train_epochs > 1:
-        log(f"note: the loader cycles over the training shards {args.train_epochs} times (--train-epochs)")
-    log(nvidia_smi(), console=False)
-    log(SEPARATOR, console=False)
-    graphs = MicroBatchGraphs(model, adam, muon.grad_buffers, writes_first=runtime.grad_accum_steps == 1) \
-        if runtime.cuda_graphs else None
-    return Trainer(args, runtime, model, adam, muon, train_files, val_file, log, graphs)
+def stop_on_launcher_death(signum, frame):
+    if stray(signum):
+        return
+    ignore_further_signals()
+    raise LauncherDied()
+
+def exit_on_signal(said: str):
+    """A handler for the moments nothing is left to close (the grace after another rank's error, after the run):
+    one line on rank 0 unless `said` is empty, then exit 128+N."""
+    def handler(signum, frame):
+        if said and env_rank() == 0:
+            print(f"interrupted by {signal.Signals(signum).name} {said}", flush=True)
+        os._exit(128 + signum)
+    for s in STOP_SIGNALS:
+        signal.signal(s, handler)
+
+def out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or \
+        (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+def collective_failed(e: Exception) -> bool:
+    """An error of the process group: another rank has ended (gloo reports the broken connection as a RuntimeError)."""
+    return dist.is_initialized() and (isinstance(e, dist.DistError) or
+                                      (isinstance(e, RuntimeError) and "gloo/transport" in str(e)))
+
+def stop_run(stop: RunStopped, rank: int) -> None:
+    """The end of a run that stops early: the log's last line, echoed on rank 0 as the run's one line, and its exit
+    status, without the process group's teardown (which could wait on ranks already gone)."""
+    line = stop.last_line(where_the_run_is())
+    if Logger.active is not None:
+        end_log(line, console=True)
+    elif rank == 0:
+        print(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(stop.status)
+
+def end_log(last_line: str, console: bool = False) -> None:
+    """Close this process's log (if one is open) with its last line, and release the run id: whatever ended the run.
+    A log that cannot be written any more (a full disk) keeps what it has."""
+    if Logger.active is not None:
+        with contextlib.suppress(OSError):
+            Logger.active.close(last_line, console)  # which releases the run id
+    if RunLock.held is not None:  # the run stopped before its log was made
+        RunLock.held.release()
+
+def where_the_run_is() -> str:
+    return Logger.active.where if Logger.active is not None else "while starting"
+
+OUTPUT_FAILED = 4  # exit status: an output could not be written (a full disk)
+
+
+# =====================================================================================
+# Engine room: the compile cache
+# =====================================================================================
 
 # A bundle of everything compiled for this script, to skip compilation on a fresh machine: PyTorch's portable cache
 # artifacts (Inductor graphs and their Triton kernels) plus the folders of kernel caches named by COMPILE_CACHE_DIRS,
@@ -3777,6 +3865,11 @@ def open_compile_cache(args: Hyperparameters) -> tuple[Path | None, bool, str]:
     path = Path(args.compile_cache)
     return (path, *load_compile_cache(path))
 
+
+# =====================================================================================
+# main(): settings -> runtime -> trainer -> run
+# =====================================================================================
+
 def check_model(args: Hyperparameters, runtime: Runtime, memory: bool = True) -> None:
     """--check: what the settings ask of the model, before anything is allocated. The model is built on the meta
     device (no memory): every learning rate, times its multipliers, must stay finite in float32, where the optimizers
@@ -3860,100 +3953,6 @@ def run(args: Hyperparameters) -> None:
         log.where = "while saving the checkpoint"
         save_checkpoint(Path(args.log_dir) / run_id / f"state_step{result.steps:06d}.pt", trainer, result.steps)
     log.close()
-
-
-def new_file_beside(path: Path) -> str:
-    """A new temporary file in path's folder (renamed to path once written: never half a file), readable as any new
-    file is (mkstemp's own mode is the owner's only)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
-    os.close(fd)
-    return tmp
-
-def save_checkpoint(path: Path, trainer: "Trainer", steps: int) -> None:
-    """Model and optimizer states, written to a new file beside `path` and renamed: never half a checkpoint."""
-    made = make_folders(path.parent)
-    tmp = new_file_beside(path)
-    try:
-        torch.save(dict(step=steps, code=Path(__file__).read_text(), model=trainer.model.state_dict(),
-                        optimizers=[trainer.adam.state_dict(), trainer.muon.state_dict()]), tmp)
-        Path(tmp).replace(path)
-    except RuntimeError as e:  # torch.save's own report of a failed write (a full disk, usually)
-        free = shutil.disk_usage(path.parent).free
-        raise OSError(None, f"cannot write the checkpoint, {free / 2**20:.0f} MiB free there (torch.save: "
-                            f"{str(e).splitlines()[-1]})", str(path)) from None
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-        for folder in reversed(made if not path.exists() else []):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-
-RANK0_REPORT_GRACE_S = 3.0  # how long the other ranks wait for rank 0 to report a config error
-
-def ignore_further_signals():
-    """A second signal (Ctrl-C twice, the launcher's SIGTERM after one) adds nothing to the stop under way. A handler
-    that does nothing, not SIG_IGN: Python raises an error for a signal that arrived before the switch to SIG_IGN."""
-    for s in (*STOP_SIGNALS, LAUNCHER_DIED):
-        signal.signal(s, lambda signum, frame: None)
-
-def stop_on_signal(signum, frame):
-    """SIGINT, SIGTERM and SIGHUP end the run through Interrupted: the log's closing line, one console line, exit
-    128+N."""
-    ignore_further_signals()
-    raise Interrupted(signum)
-
-def stop_on_launcher_death(signum, frame):
-    if stray(signum):
-        return
-    ignore_further_signals()
-    raise LauncherDied()
-
-def exit_on_signal(said: str):
-    """A handler for the moments nothing is left to close (the grace after another rank's error, after the run):
-    one line on rank 0 unless `said` is empty, then exit 128+N."""
-    def handler(signum, frame):
-        if said and env_rank() == 0:
-            print(f"interrupted by {signal.Signals(signum).name} {said}", flush=True)
-        os._exit(128 + signum)
-    for s in STOP_SIGNALS:
-        signal.signal(s, handler)
-
-def out_of_memory(e: BaseException) -> bool:
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or \
-        (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
-
-def collective_failed(e: Exception) -> bool:
-    """An error of the process group: another rank has ended (gloo reports the broken connection as a RuntimeError)."""
-    return dist.is_initialized() and (isinstance(e, dist.DistError) or
-                                      (isinstance(e, RuntimeError) and "gloo/transport" in str(e)))
-
-def stop_run(stop: RunStopped, rank: int) -> None:
-    """The end of a run that stops early: the log's last line, echoed on rank 0 as the run's one line, and its exit
-    status, without the process group's teardown (which could wait on ranks already gone)."""
-    line = stop.last_line(where_the_run_is())
-    if Logger.active is not None:
-        end_log(line, console=True)
-    elif rank == 0:
-        print(line)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(stop.status)
-
-def end_log(last_line: str, console: bool = False) -> None:
-    """Close this process's log (if one is open) with its last line, and release the run id: whatever ended the run.
-    A log that cannot be written any more (a full disk) keeps what it has."""
-    if Logger.active is not None:
-        with contextlib.suppress(OSError):
-            Logger.active.close(last_line, console)  # which releases the run id
-    if RunLock.held is not None:  # the run stopped before its log was made
-        RunLock.held.release()
-
-def where_the_run_is() -> str:
-    return Logger.active.where if Logger.active is not None else "while starting"
-
-OUTPUT_FAILED = 4  # exit status: an output could not be written (a full disk)
 
 def main(argv=None) -> int:
     rank = env_rank()
