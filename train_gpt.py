@@ -1,19 +1,17 @@
 """speedrun: train a GPT-2 (124M-class) language model to 3.28 val loss on FineWeb, fast.
 
-One file, read top to bottom, one concept per section:
-    config          Hyperparameters (the December 2025 record's values as defaults) and the command line
-    lm_head         FP8 matmul, the plain softcapped cross-entropy and its fused Triton twin, the LMHead module
-    attention       the plain attention (q/k norm, rotary, PyTorch's FlashAttention-2 varlen kernels) and its fused
-                    twin (FlashAttention-4 with the norm and rotary in one Triton pass)
-    orthogonalizers Polar Express and Turbo-Muon with their symmetric Triton kernels
-    NorMuon         sharded (reduce-scatter -> update -> all-gather) Muon with row normalisation
-    DistAdam        ZeRO-1 Adam for embeddings, lm_head and scalars
-    model           the plain MLP and output projection with their quack twins, the --kernels table, GPT
+One file, read top to bottom: the part a speedrunner edits first, then the engine room.
+    settings        Hyperparameters (the December 2025 record's values as defaults), one flag each
+    model           the plain functions (attention, mlp, softcap, the FP8 lm_head), the layer map, the modules, GPT
+    optimizers      Polar Express and Turbo-Muon, NorMuon (sharded Muon with row normalisation), DistAdam (ZeRO-1),
+                    and the labels that put each parameter in its group
     data            shard reader, BOS-aligned batching, async shard preloading
     schedules       the stage table (batch size, windows), learning rate, Muon momentum
-    training loop   CUDA graphs of the micro-batches, untimed warm-up, the training step, validation, logging
-    diagnostics     recompile guard, replica check, memory, the non-finite loss watch, bf16 GEMMs on some CPUs
-    main()          settings -> runtime -> trainer -> run; the portable compile-cache bundle
+    training        the step, the timed loop, validation
+    engine room     each fused kernel beside the fingerprint of the plain code it computes (FlashAttention-4, quack
+                    GEMMs, the FP8 head's cross-entropy, the orthogonalizers' Triton kernels); the runtime, CUDA
+                    graphs and diagnostics; the log, checkpoints, locks and how a run ends; the compile cache
+    main()          settings -> runtime -> trainer -> run
 
 Launch:  torchrun --standalone --nproc_per_node=8 train_gpt.py   (1, 2, 4 or 8 GPUs; same global batch), or
          ./run.sh launch 8 [FLAGS], which reports a failure in one line without torchrun's own report
