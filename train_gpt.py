@@ -226,13 +226,10 @@ class Hyperparameters:
 
 # `--smoke`: small enough for 2 CPU processes on 2 cores in a few minutes (the lm_head and the softcapped
 # cross-entropy over 50,304 classes dominate there), same code paths as the record.
-SMOKE_PRESET = dict(
-    model_dim=128, num_heads=2, head_dim=64,
-    train_bs_schedule=(512, 1024, 1536), train_bs_extension=1536,
-    train_max_seq_len=256, val_batch_size=4096, val_tokens=4096,
-    num_scheduled_iterations=30, num_extension_iterations=3, val_loss_every=10,
-    warmup_steps_per_stage=2,
-)
+SMOKE_PRESET = dict(model_dim=128, num_heads=2, head_dim=64, train_bs_schedule=(512, 1024, 1536),
+                    train_bs_extension=1536, train_max_seq_len=256, val_batch_size=4096, val_tokens=4096,
+                    num_scheduled_iterations=30, num_extension_iterations=3, val_loss_every=10,
+                    warmup_steps_per_stage=2)
 
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
@@ -250,13 +247,11 @@ def value_parser(kind: type, tuple_of: bool = False):
                                              f"got {text!r}") from None
 
     def parse(text: str):
-        if not tuple_of:
-            return parse_one(text)
         try:
             return tuple(parse_one(x) for x in text.split(","))
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentTypeError(f"expected comma-separated values ({e}) in {text!r}") from None
-    return parse
+    return parse if tuple_of else parse_one
 
 def help_text(f) -> str:
     help = f.metadata["help"]
@@ -282,32 +277,25 @@ def parse_args(argv=None) -> Hyperparameters:
         formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=34),  # two lines a flag
         description="NanoGPT speedrun trainer. The defaults are the December 2025 record's settings; lists take "
                     "comma-separated values, booleans true/false (a bare boolean flag means true).")
-    takes_value = set()
+    takes_value = {flag_name(f.name) for f in dataclasses.fields(Hyperparameters) if not isinstance(f.default, bool)}
     for f in dataclasses.fields(Hyperparameters):
-        default, help, choices = f.default, help_text(f), f.metadata["choices"]
-        flag = flag_name(f.name)
+        default, choices, flag = f.default, f.metadata["choices"], flag_name(f.name)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default if default != "" else "''"
-        help = f"{help} (default: {shown})"
+        help = f"{help_text(f)} (default: {shown})"
         if isinstance(default, bool):
-            parser.add_argument(flag, nargs="?", const=True, default=None, metavar="BOOL",
-                                type=value_parser(bool), help=help)
-            continue
-        takes_value.add(flag)
-        if isinstance(default, tuple):
-            parser.add_argument(flag, default=None, metavar=",".join("ABCDE"[:len(default)]),
+            parser.add_argument(flag, nargs="?", const=True, metavar="BOOL", type=value_parser(bool), help=help)
+        elif isinstance(default, tuple):
+            parser.add_argument(flag, metavar=",".join("ABCDE"[:len(default)]),
                                 type=value_parser(type(default[0]), tuple_of=True), help=help)
         else:
-            kind = type(default)
-            metavar = f.metadata["metavar"] or (None if choices else {int: "N", float: "X"}.get(kind, "TEXT"))
-            parser.add_argument(flag, default=None, type=str if kind is str else value_parser(kind), choices=choices,
-                                metavar=metavar, help=help)
+            metavar = f.metadata["metavar"] or (None if choices else {int: "N", float: "X"}.get(type(default), "TEXT"))
+            parser.add_argument(flag, type=value_parser(type(default)), choices=choices, metavar=metavar, help=help)
     argv = list(sys.argv[1:] if argv is None else argv)
     for i, token in enumerate(argv[:-1]):  # argparse takes "-3,0,2" for a flag: glue a negative value to its flag
         if token in takes_value and argv[i + 1] is not None and re.match(r"-(\d|\.|inf|nan)", argv[i + 1], re.I):
             argv[i:i + 2] = [f"{token}={argv[i + 1]}", None]
     given = {k: v for k, v in vars(parser.parse_args([a for a in argv if a is not None])).items() if v is not None}
-    args = Hyperparameters(**(SMOKE_PRESET if given.get("smoke") else {}))
-    args = dataclasses.replace(args, **given)  # explicit flags win over the smoke preset
+    args = Hyperparameters(**{**(SMOKE_PRESET if given.get("smoke") else {}), **given})  # flags win over the preset
     validate_args(args)
     return args
 
@@ -327,11 +315,10 @@ def validate_args(args: Hyperparameters):
             need(value in meta["choices"], f"{flag} must be one of {', '.join(meta['choices'])}, got {value!r}")
         values = value if isinstance(value, tuple) else (value,)
         shown = ",".join(map(str, values))
-        if meta["length"] is not None:
-            need(len(values) == meta["length"], f"{flag} takes {meta['length']} comma-separated values, got {shown}")
-        if meta["within"] is not None:
-            need(all(in_interval(v, meta["within"]) for v in values),
-                 f"{flag} must be in {meta['within']}{' (each value)' if len(values) > 1 else ''}, got {shown}")
+        need(meta["length"] is None or len(values) == meta["length"],
+             f"{flag} takes {meta['length']} comma-separated values, got {shown}")
+        need(meta["within"] is None or all(in_interval(v, meta["within"]) for v in values),
+             f"{flag} must be in {meta['within']}{' (each value)' if len(values) > 1 else ''}, got {shown}")
         if f.name != "seed" and all(type(v) is int for v in values):
             need(all(v <= INT_LIMIT for v in values), f"{flag} must be at most {INT_LIMIT} (2^31-1), got {shown}")
     need(args.seed <= SEED_LIMIT, f"--seed must be at most {SEED_LIMIT} (2^64-1, torch's largest), got {args.seed}")
@@ -339,12 +326,10 @@ def validate_args(args: Hyperparameters):
     need(longest_window * args.block_size <= INT_LIMIT,
          f"the longest attention window, {longest_window} blocks of --block-size {args.block_size}, must be at most "
          f"{INT_LIMIT} tokens (2^31-1): lower --block-size or the windows")
-    need(float(np.float32(args.adam_eps)) >= float(np.finfo(np.float32).tiny),
-         f"--adam-eps {args.adam_eps} is below the smallest normal float32 ({np.finfo(np.float32).tiny:.3g}), where "
-         "Adam adds it: raise it")
-    need(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", args.run_id) or args.run_id == "",
-         f"--run-id {args.run_id!r} is not a plain file name: use letters, digits, '.', '_' and '-' (it names "
-         f"<log-dir>/<run-id>.txt)")
+    need(float(np.float32(args.adam_eps)) >= float(np.finfo(np.float32).tiny), f"--adam-eps {args.adam_eps} is below "
+         f"the smallest normal float32 ({np.finfo(np.float32).tiny:.3g}), where Adam adds it: raise it")
+    need(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", args.run_id) or not args.run_id, f"--run-id {args.run_id!r} "
+         f"is not a plain file name: use letters, digits, '.', '_' and '-' (it names <log-dir>/<run-id>.txt)")
     need(parse_kernels(args.kernels) is not None, f"--kernels must be fused, plain or a comma-separated list of "
                                                   f"{', '.join(FUSED_KERNELS)}; got {args.kernels!r}")
     layer_map(args.num_layers)  # refuses a count its rule does not cover
@@ -354,9 +339,8 @@ def validate_args(args: Hyperparameters):
     need(len(args.train_bs_schedule) == len(args.ws_schedule) == len(args.lr_plateaus) == len(args.lr_plateau_starts),
          "--train-bs-schedule, --ws-schedule, --lr-plateaus and --lr-plateau-starts need one entry per stage")
     stages = len(args.train_bs_schedule)
-    need(args.num_scheduled_iterations >= stages,
-         f"--num-scheduled-iterations ({args.num_scheduled_iterations}) must be at least the number of batch-size "
-         f"stages ({stages}, from --train-bs-schedule)")
+    need(args.num_scheduled_iterations >= stages, f"--num-scheduled-iterations ({args.num_scheduled_iterations}) "
+         f"must be at least the number of batch-size stages ({stages}, from --train-bs-schedule)")
     starts = args.lr_plateau_starts
     need(starts[0] == 0 and all(a < b for a, b in zip(starts, starts[1:])),
          f"--lr-plateau-starts must start at 0 and increase, got {','.join(map(str, starts))}")
@@ -409,8 +393,7 @@ def attention_reference(q, k, v, cu_seqlens, max_seqlen, window_table, window_ro
         out[start:end] = (scores.softmax(dim=-1) @ vd).transpose(0, 1).to(q.dtype)
     return out
 
-# PyTorch's FlashAttention-2 varlen kernels (torch.nn.attention.varlen's) behind our own op, which reads the window
-# and the scale from the CPU table when it runs instead of baking them into the graph.
+# PyTorch's FlashAttention-2 varlen kernels (torch.nn.attention.varlen's) in our own op, reading the table as it runs.
 @torch.library.custom_op("speedrun::flash_varlen", mutates_args=())
 def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
                  window_row: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -432,10 +415,9 @@ def flash_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
                           window_row: int) -> tuple[Tensor, Tensor, Tensor]:
     scale, window = scale_and_window(window_table, window_row)
     unused = torch.empty(0, device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+    return torch.ops.aten._flash_attention_backward(
         grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, rng_state, unused,
         scale=scale, window_size_left=window, window_size_right=0)
-    return dq, dk, dv
 
 @flash_varlen_backward.register_fake
 def _(grad_out, q, k, v, out, lse, rng_state, cu_seqlens, max_seqlen, window_table, window_row):
@@ -556,15 +538,13 @@ def fp8_matmul_backward(g_f8: Tensor, x_f8_t: Tensor, w_f8_t: Tensor, x_s: float
     """dX and dW from quantised operands (`*_t`: contiguous transposes). dW needs the (T, vocab) gradient transposed
     (_scaled_mm's layouts): g_f8_t where the caller has it (the fused head writes both layouts), else made here."""
     g_f8_t = transpose_bytes(g_f8) if g_f8_t is None else g_f8_t
-    grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16,
-                              scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(w_s, g_f8),
-                              use_fast_accum=False)
+    grad_x = torch._scaled_mm(g_f8, w_f8_t.T, out_dtype=torch.bfloat16, scale_a=_scale_tensor(grad_s, g_f8),
+                              scale_b=_scale_tensor(w_s, g_f8), use_fast_accum=False)
     # dW in the weight's own layout and dtype, (vocab, 768) bf16. The record computes (768, vocab) in fp32 and
     # returns its transpose, which autograd then casts to bf16 and adds into the gradient with strided passes
     # over 38.6M elements. The GEMM alone is a little slower this way round, far less than the passes it saves cost.
-    grad_w = torch._scaled_mm(g_f8_t, x_f8_t.T, out_dtype=torch.bfloat16,
-                              scale_a=_scale_tensor(grad_s, g_f8), scale_b=_scale_tensor(x_s, g_f8),
-                              use_fast_accum=False)
+    grad_w = torch._scaled_mm(g_f8_t, x_f8_t.T, out_dtype=torch.bfloat16, scale_a=_scale_tensor(grad_s, g_f8),
+                              scale_b=_scale_tensor(x_s, g_f8), use_fast_accum=False)
     return grad_x, grad_w
 
 @fp8_matmul_backward.register_fake
@@ -573,10 +553,8 @@ def _(g_f8, x_f8_t, w_f8_t, x_s, w_s, grad_s, g_f8_t=None):
             g_f8.new_empty((g_f8.size(1), x_f8_t.size(0)), dtype=torch.bfloat16))
 
 def _fp8_matmul_setup_context(ctx, inputs, output):
-    _, _, x_s, w_s, grad_s = inputs
-    _, x_f8_t, w_f8_t = output
-    ctx.save_for_backward(x_f8_t, w_f8_t)
-    ctx.scales = (x_s, w_s, grad_s)
+    ctx.save_for_backward(*output[1:])  # x_f8_t, w_f8_t
+    ctx.scales = tuple(inputs[2:])      # x_s, w_s, grad_s
     ctx.set_materialize_grads(False)
 
 def _fp8_matmul_backward_rule(ctx, grad_out, *_):
@@ -657,8 +635,7 @@ class LayerMap:
                               f"(its rule covers 9 layers or more), or pick another --num-layers")
         return self
 
-    def line(self) -> str:
-        """The map, for the log."""
+    def line(self) -> str:  # for the log
         return (f"layers: {self.num_layers} blocks; no attention in {list(self.no_attention)}, no MLP in "
                 f"{list(self.no_mlp)}; long window in {list(self.long_window)}; value embeddings "
                 f"{', '.join(f'{b}<-{t}' for b, t in self.value_embeds)}; skip {self.skip_from} -> {self.skip_to}; "
@@ -759,8 +736,7 @@ class MLP(nn.Module):
         self.c_fc = set_optimizer_label(nn.Parameter(torch.empty(4 * dim, dim)), "mlp", "matrix", lr_mul=1.0)
         self.c_proj = set_optimizer_label(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", "matrix", lr_mul=2.0)
         bound = uniform_bound(dim)
-        with torch.no_grad():
-            self.c_fc.uniform_(-bound, bound)
+        nn.init.uniform_(self.c_fc, -bound, bound)
 
     def forward(self, x, kernels):
         return kernels["mlp"](x, self.c_fc.type_as(x), self.c_proj.type_as(x))
@@ -796,8 +772,7 @@ class GPT(nn.Module):
         d, L = args.model_dim, args.num_layers
         self.layers = layer_map(L)
         self.kernels = kernels or {name: k.plain for name, k in FUSED_KERNELS.items()}
-        self.vocab_size = next_multiple_of(args.vocab_size, 128)
-        self.block_size = args.block_size
+        self.vocab_size, self.block_size = next_multiple_of(args.vocab_size, 128), args.block_size
         self.embed = nn.Embedding(self.vocab_size, d)
         self.smear_gate = nn.Linear(GATE_INPUTS, 1, bias=False)
         nn.init.zeros_(self.smear_gate.weight)
@@ -824,8 +799,7 @@ class GPT(nn.Module):
     def compile_regions(self, **options):
         """torch.compile the trunk and the head as two regions: the head's backward finishes first, so lm_head's
         gradient hook (DistAdam's biggest reduce-scatter) fires while the trunk's backward still computes."""
-        self._trunk = torch.compile(self.trunk, **options)
-        self._head = torch.compile(self.head, **options)
+        self._trunk, self._head = torch.compile(self.trunk, **options), torch.compile(self.head, **options)
         self.is_compiled = True
 
     # CUDA graphs: a training micro-batch is recorded once and replayed, so a Python number read here (an attribute,
@@ -835,11 +809,9 @@ class GPT(nn.Module):
     def forward(self, input_seq: Tensor, target_seq: Tensor, cu_seqlens: Tensor, ws_short: int, ws_long: int,
                 max_seqlen: int) -> Tensor:
         """The loss: summed over tokens in training, the mean in evaluation."""
-        window_table = self.window_table(ws_short, ws_long)
-        if self.is_compiled:  # one graph for every micro-batch length (and cu_seqlens length)
-            for t in (input_seq, target_seq, cu_seqlens):
-                torch._dynamo.mark_dynamic(t, 0)
-        x = self._trunk(input_seq, cu_seqlens, window_table, max_seqlen)
+        for t in (input_seq, target_seq, cu_seqlens):  # one graph for every micro-batch length (and cu_seqlens length)
+            self.dynamic(t)
+        x = self._trunk(input_seq, cu_seqlens, self.window_table(ws_short, ws_long), max_seqlen)
         if self.training:
             return self._head(self.dynamic(x), target_seq)
         chunks = zip(x.split(EVAL_HEAD_CHUNK), target_seq.split(EVAL_HEAD_CHUNK))
@@ -858,8 +830,7 @@ class GPT(nn.Module):
 
     def trunk(self, input_seq: Tensor, cu_seqlens: Tensor, window_table: Tensor, max_seqlen: int) -> Tensor:
         """Embeddings and blocks: the normalised final hidden state (T, d)."""
-        L = len(self.blocks)
-        layers = self.layers
+        L, layers = len(self.blocks), self.layers
         skip_w = self.scalars[:L]           # one per layer; only the U-net skip's (layers.skip_weight) is read
         lambdas = self.scalars[L:3 * L].view(L, 2)
         sa_lambdas = self.scalars[3 * L:5 * L].view(L, 2)
@@ -869,8 +840,7 @@ class GPT(nn.Module):
         x = self.embed(input_seq)
         # Smear: mix a gated copy of the previous token's embedding into each position (1-token look-back).
         gate = smear_lambda * torch.sigmoid(F.linear(gate_input(x[1:]), self.smear_gate.weight))
-        x = torch.cat([x[:1], x[1:] + gate * x[:-1]])
-        x = x0 = norm(x)
+        x = x0 = norm(torch.cat([x[:1], x[1:] + gate * x[:-1]]))
         docs = Documents(cu_seqlens, max_seqlen, window_table, self.yarn.cos, self.yarn.sin)
         skip = backout = None
         for i in range(1, L):  # block 0 is empty
@@ -899,8 +869,6 @@ def next_multiple_of(x: int, n: int) -> int:
 
 # =====================================================================================
 # Optimizers: Polar Express and Turbo-Muon, NorMuon, DistAdam, and the labels that choose
-# =====================================================================================
-
 # =====================================================================================
 
 # Muon (Keller Jordan) orthogonalizes each update. Polar Express (Amsel, Persson, Musco and Gower) replaces
@@ -935,8 +903,6 @@ POLAR_NORM_EPS = 1e-6
 TURBO_AOL_SAFETY = 1.02      # s = rsqrt(rowsum|XXᵀ|·1.02 + 1e-6), the 2 % margin kept
 TURBO_AOL_EPS = 1e-6
 
-# ---- the iteration, parametrised by its three matrix operations ----
-
 def _torch_gram(X, out=None):
     return X @ X.mT
 
@@ -953,11 +919,9 @@ def _polar_loop(G: Tensor, turbo: bool, dtype, ops, buffers: bool) -> Tensor:
     update); buffers=True: A, B, C are allocated once and X/C swap roles (the Triton ops write into `out`)."""
     gram, poly, update = ops
     transposed = G.size(-2) > G.size(-1)
-    X = G.mT if transposed else G                     # wide orientation: rows <= cols, A is the small Gram
-    X = X.to(dtype).contiguous()
-    m = X.size(-2)
+    X = (G.mT if transposed else G).to(dtype).contiguous()  # wide orientation: rows <= cols, A is the small Gram
     acc = torch.promote_types(dtype, torch.float32)   # scalings in fp32 (fp64 for a float64 reference)
-    A = X.new_empty(*X.shape[:-1], m) if buffers else None
+    A = X.new_empty(*X.shape[:-1], X.size(-2)) if buffers else None
     B = torch.empty_like(A) if buffers else None
     if turbo:
         # AOL preconditioning fused into iteration 1: one Gram of the raw X serves both the row scaling
@@ -997,8 +961,6 @@ def polar_express(G: Tensor, turbo: bool = False) -> Tensor:
     use_kernels = _kernels_usable(G) and G.dim() in (2, 3)
     return _polar_loop(G, turbo, torch.bfloat16, _TRITON_OPS if use_kernels else _TORCH_OPS, buffers=use_kernels)
 
-
-
 # NorMuon (Zichong Li et al.) adds Adam-like per-row second moments to Muon's orthogonalized update; the weight decay
 # is cautious (Lizhang Chen et al.): it only acts where the update already shrinks the weight.
 #
@@ -1022,7 +984,6 @@ reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tens
 all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 def _dist_world() -> tuple[int, int]:
-    """(world_size, rank) of the default process group, or (1, 0) when there is none."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
@@ -1043,22 +1004,18 @@ def normuon_second_moment(v: Tensor, second_moment: Tensor, beta2: float, dim: i
 def cautious_update(p: Tensor, v: Tensor, lr_eff: Tensor, wd_eff: Tensor) -> None:
     """In place, in fp32: p <- p - lr_eff·(v + wd_eff·[v·p >= 0]·p): the decay acts only where the update already
     shrinks |p|. lr_eff, wd_eff: 0-D CPU float32 tensors (a new value never recompiles)."""
-    pf = p.float()
-    vf = v.float()
+    pf, vf = p.float(), v.float()
     mask = (vf * pf >= 0).to(torch.float32)
     p.copy_(pf - lr_eff * (vf + wd_eff * mask * pf))
 
 def normuon_lr_factor(p: Tensor) -> float:
     """sqrt(max(1, rows/cols)) * lr_mul from the parameter's own stored 2-D shape (attn 2, c_fc 2, c_proj 4)."""
-    rows, cols = p.shape[-2], p.shape[-1]
-    return math.sqrt(max(1.0, rows / cols)) * float(getattr(p, "lr_mul", 1.0))
+    return math.sqrt(max(1.0, p.shape[-2] / p.shape[-1])) * float(getattr(p, "lr_mul", 1.0))
 
 def normuon_reduce_dim(treatment: str, shape) -> int:
     """Axis of the NorMuon second moment, from the stored (un-reshaped) shape: gates and tall/square matrices
     get one statistic per row (-1); wide matrices one per column (-2)."""
-    if treatment == "gate" or shape[-2] >= shape[-1]:
-        return -1
-    return -2
+    return -1 if treatment == "gate" or shape[-2] >= shape[-1] else -2
 
 def normuon_groups(params, world_size: int) -> tuple[list, str]:
     """([(name, params)], note): the record's 8-GPU sizing [1, 10, 16, 16] where the matrices are the record's, else
@@ -1081,14 +1038,13 @@ def normuon_groups(params, world_size: int) -> tuple[list, str]:
         if names.count(name) > 1:  # same label with several shapes/dtypes: disambiguate the name
             name = f"{name}:{'x'.join(map(str, key[1]))}:{str(key[2]).replace('torch.', '')}"
         groups.append((name, ps))
-    note = ""
-    if counts != NORMUON_RECORD_COUNTS:
-        shown = lambda c: ", ".join(f"{k} {c[k]}" for k in sorted(c, key=str))
-        note = (f"NorMuon: the matrices differ from the record's ({shown(counts)} here, {shown(NORMUON_RECORD_COUNTS)} "
-                f"there), so they are grouped by label and shape"
-                f"{' instead of the record sizing ' + str(NORMUON_RECORD_GROUP_SIZES) if world_size == 8 else ''}: "
-                + ", ".join(f"{name} ({len(ps)})" for name, ps in groups))
-    return groups, note
+    if counts == NORMUON_RECORD_COUNTS:
+        return groups, ""
+    shown = lambda c: ", ".join(f"{k} {c[k]}" for k in sorted(c, key=str))
+    return groups, (f"NorMuon: the matrices differ from the record's ({shown(counts)} here, "
+                    f"{shown(NORMUON_RECORD_COUNTS)} there), so they are grouped by label and shape"
+                    f"{' instead of the record sizing ' + str(NORMUON_RECORD_GROUP_SIZES) if world_size == 8 else ''}: "
+                    + ", ".join(f"{name} ({len(ps)})" for name, ps in groups))
 
 class NorMuon(torch.optim.Optimizer):
     """Muon with Polar Express orthogonalization, NorMuon row normalisation and cautious weight decay, as in the
@@ -1105,10 +1061,9 @@ class NorMuon(torch.optim.Optimizer):
             raise ValueError("NorMuon got an empty parameter list")
         self.world_size, self.rank = _dist_world()
         self.turbo = orthogonalizer == "turbo"
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2)
         grouped, self.grouping_note = normuon_groups(params, self.world_size)
-        groups = [dict(params=ps, label=name) for name, ps in grouped]
-        super().__init__(groups, defaults)
+        super().__init__([dict(params=ps, label=name) for name, ps in grouped],
+                         dict(lr=lr, weight_decay=weight_decay, momentum=momentum, beta2=beta2))
         self._orthogonalize_fn = polar_express
         self._second_moment_fn = normuon_second_moment
         self._cautious_update_fn = cautious_update
@@ -1129,7 +1084,6 @@ class NorMuon(torch.optim.Optimizer):
             assert len(treatments) == 1 or "qkvo" not in treatments, \
                 f"NorMuon rank {r} would stack qkvo matrices with others ({group['label']!r})"
             treatment = treatments.pop() if len(treatments) == 1 else "matrix"
-            is_attn = treatment == "qkvo"
             params_stack = torch.zeros((chunk * W, *shape), dtype=dtype, device=ps[0].device)
             grads_stack = torch.zeros_like(params_stack)
             for p, row, grad_row in zip(ps, params_stack, grads_stack):
@@ -1138,7 +1092,7 @@ class NorMuon(torch.optim.Optimizer):
                 self.grad_buffers[p] = grad_row
             # the rank's rows of the averaged gradients (one rank: the gradient stack itself)
             shard = grads_stack[:chunk] if W == 1 else torch.empty_like(grads_stack[:chunk])
-            self._layout.append(dict(chunk=chunk, lo=lo, hi=hi, is_attn=is_attn,
+            self._layout.append(dict(chunk=chunk, lo=lo, hi=hi, is_attn=treatment == "qkvo",
                                      reduce_dim=normuon_reduce_dim(treatment, shape),
                                      params=params_stack, grads=grads_stack, shard=shard))
 
@@ -1216,8 +1170,6 @@ class NorMuon(torch.optim.Optimizer):
         for work in gathers:
             work.wait()
 
-
-
 def adam_update(p: Tensor, g: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_size: Tensor,
                 beta1: float, beta2: float, eps: float) -> None:
     """One bias-corrected Adam step on a param slice, in place (compiled: one kernel, not seven passes); step_size =
@@ -1238,10 +1190,9 @@ class DistAdam(torch.optim.Optimizer):
     """ZeRO-1 Adam without weight decay (the record's): rank r keeps the state of, and updates, rows [r*k, (r+1)*k)
     of each param (k = rows_per_rank; a param whose rows do not divide by W is padded with zero rows in DistAdam's
     own buffers, as the record padded its scalars), then all-gathers it. While `should_sync` is set (the last backward
-    before a step()),
-    a post-accumulate-grad hook reduce-scatters (AVG) each gradient into a buffer as long-lived as the optimizer,
-    so a CUDA graph that captured it writes the same addresses at every replay. step() updates the params with a
-    pending reduce-scatter (one process: those with a p.grad)."""
+    before a step()), a post-accumulate-grad hook reduce-scatters (AVG) each gradient into a buffer as long-lived as
+    the optimizer, so a CUDA graph that captured it writes the same addresses at every replay. step() updates the
+    params with a pending reduce-scatter (one process: those with a p.grad)."""
 
     def __init__(self, params, lr=0.008, betas=(0.65, 0.95), eps=1e-8):
         params = [p for p in params]
@@ -1319,11 +1270,10 @@ class DistAdam(torch.optim.Optimizer):
                     if work is not None:
                         work.wait()
                     g = self._grad_slices[p]
+                elif p.grad is None:
+                    continue
                 else:
-                    g = p.grad
-                    if g is None:
-                        continue
-                    g = as_rows(g)
+                    g = as_rows(p.grad)
                 rows = self._rows(p)
                 if p in self._padded:  # the padded copy: the param's current value first
                     rows[:as_rows(p).shape[0]].copy_(as_rows(p))
@@ -1333,9 +1283,7 @@ class DistAdam(torch.optim.Optimizer):
                 lr_p = lr * float(getattr(p, "lr_mul", 1.0))
                 state = self.state[p]
                 if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p_slice)
-                    state["exp_avg_sq"] = torch.zeros_like(p_slice)
+                    state.update(step=0, exp_avg=torch.zeros_like(p_slice), exp_avg_sq=torch.zeros_like(p_slice))
                 state["step"] += 1
                 t = state["step"]
                 self._step_size.fill_(lr_p * math.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t))
@@ -1345,8 +1293,7 @@ class DistAdam(torch.optim.Optimizer):
         for work in gathers:
             work.wait()
         for p in stepped:  # their gathered rows back, without the padding
-            rows = self._padded[p][1]
-            as_rows(p).copy_(rows[:as_rows(p).shape[0]])
+            as_rows(p).copy_(self._padded[p][1][:as_rows(p).shape[0]])
         self._pending.clear()
 
 def check_optimizer_labels(model: nn.Module, world_sizes=(1, 2, 4, 8)) -> None:
@@ -1382,19 +1329,6 @@ def check_optimizer_labels(model: nn.Module, world_sizes=(1, 2, 4, 8)) -> None:
                     raise ConfigError(f"on {world_size} processes, NorMuon's rank {r} would stack parameter "
                                       f"{names[id(qkvo)]} (qkvo) with matrices of another treatment in group "
                                       f"{group}: give them labels of their own")
-
-def optimizer_plan(model: nn.Module, world_size: int) -> dict:
-    """{parameter name: (optimizer group, how its update is normalised)}: what build_optimizers makes of the labels."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    plan = {}
-    for group, ps in normuon_groups([p for p in model.parameters() if p.treatment != "adam"], world_size)[0]:
-        for p in ps:
-            stats = "per row" if normuon_reduce_dim(p.treatment, p.shape) == -1 else "per column"
-            plan[names[id(p)]] = (f"NorMuon {group}", f"{p.treatment}, second moment {stats}")
-    for name, p in model.named_parameters():
-        if p.treatment == "adam":
-            plan[name] = (f"DistAdam {p.label}", f"adam, {rows_per_rank(p, world_size)} rows per rank")
-    return plan
 
 def build_optimizers(model: GPT, args: Hyperparameters):
     """NorMuon for the matrices and gates, DistAdam for the rest, by each parameter's label (set_optimizer_label)."""
@@ -1458,13 +1392,11 @@ def scan_shard(path, vocab_size: int) -> tuple[int, np.ndarray]:
     32-bit ones under a header that counts twice as many: every other id would be 0) and the <|endoftext|> token
     that starts every document. Returns (its token count, where its documents start)."""
     num_tokens = read_shard_header(path)
-    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(num_tokens,)) if num_tokens else \
-        np.zeros(0, dtype="<u2")
+    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_INTS * 4, shape=(num_tokens,)) if num_tokens else None
     starts, odd_ids_nonzero = [], False
     for start in range(0, num_tokens, SCAN_CHUNK_TOKENS):
         chunk = tokens[start:start + SCAN_CHUNK_TOKENS]
-        top = int(chunk.max())
-        if top >= vocab_size:
+        if int(chunk.max()) >= vocab_size:
             where = start + int(np.argmax(chunk >= vocab_size))
             raise ShardError(f"shard {path} holds token id {int(tokens[where])} at position {where}, not below "
                              f"--vocab-size {vocab_size}: rebuild it with this tokenizer, or raise --vocab-size")
@@ -1473,11 +1405,10 @@ def scan_shard(path, vocab_size: int) -> tuple[int, np.ndarray]:
     if num_tokens >= 2 * HEADER_INTS and not odd_ids_nonzero:
         raise ShardError(f"shard {path}: every other token id is 0 (32-bit tokens read as 16-bit ones, or no text at "
                          "all): the format holds uint16 GPT-2 tokens, as data/fineweb.py writes them")
-    starts = np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
-    if len(starts) == 0:
+    if not any(len(s) for s in starts):
         raise ShardError(f"shard {path} holds no <|endoftext|> ({BOS_ID}), which starts every document: rebuild it "
                          "with data/fineweb.py")
-    return num_tokens, starts
+    return num_tokens, np.concatenate(starts)
 
 FEED_CHECK_LIMIT = 2_000_000  # micro-batches the data check follows at most (a longer schedule: tokens only)
 
@@ -1638,9 +1569,7 @@ class ShardLoader:
 def to_device(batch: tuple, device: str) -> tuple:
     """Asynchronous copies of a micro-batch from pinned memory: a plain DMA queued behind the running kernels (from
     pageable memory the driver stages the copy and may wait on the stream)."""
-    if device != "cuda":
-        return tuple(t.to(device) for t in batch)
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
+    return tuple(t.pin_memory().to(device, non_blocking=True) if device == "cuda" else t.to(device) for t in batch)
 
 def tokens_per_micro_batch(batch_size: int, grad_accum_steps: int, world_size: int) -> int:
     """A rank's tokens per micro-batch: the global batch split over every micro-batch of every rank."""
@@ -1657,7 +1586,6 @@ def distributed_data_generator(files: list, batch_size: int, max_seq_len: int, g
     tokens, finder = loader.first()
     while True:
         num_tokens = tokens_per_micro_batch(batch_size, grad_accum_steps, world_size)
-        max_docs = max_num_docs_for(num_tokens)
         while True:
             try:
                 ranges = finder.next_batch(num_tokens, max_seq_len)[rank]
@@ -1667,9 +1595,8 @@ def distributed_data_generator(files: list, batch_size: int, max_seq_len: int, g
         buf = torch.cat([tokens[s:e] for s, e in ranges])
         lengths = [e - s for s, e in ranges]
         lengths[-1] -= 1  # the last token is only a target
-        cu = pack_cu_seqlens(lengths, num_tokens, max_docs)
-        batch = (buf[:-1].to(torch.int32), buf[1:].to(torch.int64), cu)
-        new = yield to_device(batch, device)
+        cu = pack_cu_seqlens(lengths, num_tokens, max_num_docs_for(num_tokens))
+        new = yield to_device((buf[:-1].to(torch.int32), buf[1:].to(torch.int64), cu), device)
         if new is not None:
             batch_size, max_seq_len, grad_accum_steps = new
 
@@ -1679,8 +1606,7 @@ def validation_batches(path, val_batch_size: int, val_tokens: int, grad_accum_st
     tokens = load_data_shard(path)
     num_tokens = tokens_per_micro_batch(val_batch_size, grad_accum_steps, world_size)
     max_docs = max_num_docs_for(num_tokens)
-    steps = grad_accum_steps * val_tokens // val_batch_size
-    for step in range(steps):
+    for step in range(grad_accum_steps * val_tokens // val_batch_size):
         start = step * num_tokens * world_size + rank * num_tokens
         buf = tokens[start:start + num_tokens + 1]
         inputs = buf[:-1]
@@ -1737,8 +1663,7 @@ def find_data(args: Hyperparameters, runtime: "Runtime", scan: bool = True):
                           f"--val-tokens {args.val_tokens:,} + 1: lower --val-tokens (and --val-batch-size)")
     for bs in (*args.train_bs_schedule, args.train_bs_extension, args.val_batch_size):
         tokens_per_micro_batch(bs, runtime.grad_accum_steps, runtime.world_size)
-    out_at = data_runs_out_at(args, runtime, shards) if scan else None
-    if out_at is not None:
+    if scan and (out_at := data_runs_out_at(args, runtime, shards)) is not None:
         raise ConfigError(f"too little training data: taking whole documents for each micro-batch (cut at "
                           f"--train-max-seq-len {args.train_max_seq_len}), the loader runs out at step {out_at} of "
                           f"{args.num_iterations} with {len(train_files)} shard(s) x {args.train_epochs} epoch(s); add "
@@ -1765,9 +1690,7 @@ class Stage:
 def stage_index(step: int, args: Hyperparameters) -> int:
     """Index into stages(args): int(K * step / N) for the scheduled steps, K for the extension."""
     N, k = args.num_scheduled_iterations, len(args.train_bs_schedule)
-    if step >= N:
-        return k
-    return int(k * (step / N))
+    return k if step >= N else int(k * (step / N))
 
 def make_stage(i: int, args: Hyperparameters) -> Stage:
     """Stage i of stages(args), without building the others."""
@@ -1794,9 +1717,6 @@ def eval_windows(args: Hyperparameters) -> list:
 
 def stage_at(step: int, args: Hyperparameters) -> Stage:
     return make_stage(stage_index(step, args), args)
-
-def get_bs(step: int, args: Hyperparameters) -> int:
-    return stage_at(step, args).batch_size
 
 def get_lr(step: int, args: Hyperparameters) -> float:
     """Multiplier on every group's initial lr: a plateau that rises with the batch size, then a linear
@@ -1846,13 +1766,12 @@ TARGET_VAL_LOSS = 3.28
 
 def summary_line(args: Hyperparameters, runtime: "Runtime", result: RunResult) -> str:
     """The log's last line: what a reader (or records/compare.py) wants first."""
-    reached = "reached" if result.val_loss <= TARGET_VAL_LOSS else "not reached"
     allocated, reserved, pool = peak_memory(runtime.device)
     memory = (f"peak_memory {allocated} MiB allocated, {reserved} MiB reserved ({pool} MiB graphs' pool)"
               if runtime.device == "cuda" else "peak_memory n/a (cpu)")
     return (f"summary: val_loss {result.val_loss:.4f} at step {result.steps}, train_time "
             f"{result.train_time_ms / 1000:.3f}s, step_avg {result.train_time_ms / max(result.steps, 1):.2f}ms, "
-            f"{memory}, target {TARGET_VAL_LOSS} {reached}")
+            f"{memory}, target {TARGET_VAL_LOSS} {'reached' if result.val_loss <= TARGET_VAL_LOSS else 'not reached'}")
 
 class RunStopped(BaseException):
     """The run ends early with a message for the log's last line and an exit status (no traceback). Not an Exception,
@@ -1954,11 +1873,8 @@ class Trainer:
         n = self.runtime.grad_accum_steps
         graphed = self.graphs.run(batch, stage.ws_short, stage.ws_long, n, self.forward_backward).clone()
         eager = self.forward_backward(*batch, stage.ws_short, stage.ws_long, n)
-        for p, g in zip(params, before):
-            if g is None or p.grad is None:
-                p.grad = g
-            else:
-                p.grad.copy_(g)
+        for p, g in zip(params, before):  # in place where both exist: the graphs hold the gradient buffers
+            p.grad = g if g is None or p.grad is None else p.grad.copy_(g)
         if not torch.equal(graphed, eager):
             raise GraphsDiffer(f"stopped at step {step}: {stage.name}'s CUDA graph gives loss {graphed.item():.6f} "
                                f"and eager {eager.item():.6f}: the forward reads a value that changed since the graphs "
@@ -1973,8 +1889,7 @@ class Trainer:
         return self.forward_backward(*batch, ws_short, ws_long, micro_batches)
 
     def forward_backward(self, inputs, targets, cu_seqlens, ws_short: int, ws_long: int, divisor) -> Tensor:
-        """One micro-batch: its loss / divisor (micro-batches per step, a number or a 0-D tensor) backward. Returns
-        the loss, detached."""
+        """One micro-batch's loss / divisor (micro-batches per step, a number or a 0-D tensor) backward."""
         with self.cpu_gemms():
             loss = self.model(inputs, targets, cu_seqlens, ws_short, ws_long, self.args.train_max_seq_len)
             (loss / divisor).backward()
@@ -2021,8 +1936,7 @@ class Trainer:
         initial = copy.deepcopy(dict(model=self.model.state_dict(),
                                      opts=[opt.state_dict() for opt in (self.adam, self.muon)]))
         graphs, self.graphs = self.graphs, None
-        passes = [("eager", 2)] + ([("graphs", a.warmup_steps_per_stage)] if graphs is not None else [])
-        for kind, steps in passes:
+        for kind, steps in [("eager", 2)] + ([("graphs", a.warmup_steps_per_stage)] if graphs is not None else []):
             self.graphs = graphs if kind == "graphs" else None
             batches = self.new_batches(stages(a)[0].batch_size)
             for stage in stages(a):
@@ -2053,8 +1967,7 @@ class Trainer:
             self.warm_up_times.append((f"eval windows {short},{long}", seconds))
             self.console(f"warm-up: eval for windows ({short}, {long}): {seconds:.1f}s "
                          f"({compiled_graph_count()} graphs compiled so far)")
-        self.model.train()
-        self.model.yarn.reset()
+        self.model.yarn.reset()  # evaluate() has put the model back in training mode
         self.muon.reset()
         self.model.load_state_dict(initial["model"])
         for opt, state in zip((self.adam, self.muon), initial["opts"]):
@@ -2117,12 +2030,10 @@ class Trainer:
 RECOMPILE_LIMIT = 64  # graphs per code object (a train and an eval graph each; a few more for tests)
 
 def build_model_and_optimizers(args: Hyperparameters, runtime: "Runtime"):
-    """The model on this process's device (rank 0's initialisation on every rank, compiled per region) and its two
-    optimizers."""
+    """The model on this process's device (compiled per region) and its two optimizers."""
     max_seq_len = max(tokens_per_micro_batch(bs, runtime.grad_accum_steps, runtime.world_size)
                       for bs in (args.val_batch_size, *args.train_bs_schedule, args.train_bs_extension))
-    model = GPT(args, max_seq_len=max_seq_len, kernels=runtime.kernels,
-                fp8=runtime.fp8).to(runtime.device)
+    model = GPT(args, max_seq_len=max_seq_len, kernels=runtime.kernels, fp8=runtime.fp8).to(runtime.device)
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     if runtime.compile:
         model.compile_regions(dynamic=False, fullgraph=True)
@@ -2148,13 +2059,11 @@ def build_trainer(args: Hyperparameters, runtime: "Runtime", log_file: Path, rep
     log = Logger(log_file, runtime.master, replace=replace_log, lock=lock)
     if runtime.master:
         print(log.path, flush=True)
-    log(Path(__file__).read_text(), console=False)
-    log(SEPARATOR, console=False)
-    log(f"Running Python {sys.version}", console=False)
-    log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}", console=False)
-    log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
-    log(runtime.config_line(args), console=False)
-    log(model.layers.line(), console=False)
+    for line in (Path(__file__).read_text(), SEPARATOR, f"Running Python {sys.version}",
+                 f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}",
+                 f"Running Triton version {triton.__version__ if triton else 'not installed'}",
+                 runtime.config_line(args), model.layers.line()):
+        log(line, console=False)
     for note in (*runtime.kernel_notes, muon.grouping_note):
         if note:
             log(note)
@@ -2209,7 +2118,6 @@ def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]
     """({name: function the model calls}, notes for the log): `fused` takes each fused kernel that runs here, a listed
     one must run. A fused kernel that would run but whose plain functions were edited is an error (it would compute
     the old ones); one that cannot run here is no reason to refuse an edit."""
-    explicit = requested != "fused"
     chosen, notes = {}, []
     for name, kernel in FUSED_KERNELS.items():
         chosen[name] = kernel.plain
@@ -2220,7 +2128,7 @@ def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]
                 raise RuntimeError("it needs a CUDA GPU")
             kernel.check_here(fp8)
         except Exception as e:
-            if explicit:
+            if requested != "fused":
                 raise ConfigError(f"--kernels: the fused {name} kernel cannot run here ({type(e).__name__}: {e}); "
                                   f"leave it out of --kernels, use --kernels plain, or ./run.sh setup-gpu for "
                                   f"FlashAttention-4 and quack") from None
@@ -2240,10 +2148,9 @@ def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]
 # --- the fused twin of `attention`: FlashAttention-4 with the q/k norm and rotary in one Triton pass -------------
 # FlashAttention-4 (PyPI `flash-attn-4`, CuTe DSL kernels; its sm90 path ports FA3's Hopper kernels): window and
 # scale are runtime arguments of its kernels (only whether a window exists is in its compile key), so one compiled
-# kernel pair serves every stage. Imported on first use.
+# kernel pair serves every stage. Imported on first use (Python keeps the module).
 
 def fa4_interface():
-    """flash_attn.cute.interface (PyPI flash-attn-4), imported on first use (Python keeps the module)."""
     # Keep FA4's JIT-compiled kernels on disk, as Inductor keeps its graphs: a restart loads them instead of
     # compiling again. Read at its import; FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 opts out.
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
@@ -2337,8 +2244,7 @@ def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]
     T, heads3, D = qkv.shape
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and cos.size(1) == D // 2
     heads2 = 2 * heads3 // 3
-    qk = qkv.new_empty((T, heads2, D))
-    rstd = torch.empty((T, heads2), dtype=torch.float32, device=qkv.device)
+    qk, rstd = qkv.new_empty((T, heads2, D)), qkv.new_empty((T, heads2), dtype=torch.float32)
     rows = T * heads2
     _qk_norm_rope_forward_kernel[(triton.cdiv(rows, QK_NORM_ROPE_ROWS),)](
         qkv, cos, sin, qk, rstd, rows, HEADS2=heads2, D=D, ROW_STRIDE=heads3 * D,
@@ -2397,8 +2303,7 @@ def fa4_qkv_backward(grad_out: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, ou
     """The gradient of qkv, written in place by FlashAttention-4's backward (dv) and the norm + rotary backward."""
     heads = qkv.size(1) // 3
     v = v_used if v_used.numel() else qkv[:, 2 * heads:]
-    d_qkv = torch.empty_like(qkv)
-    d_qk = torch.empty_like(qk)
+    d_qkv, d_qk = torch.empty_like(qkv), torch.empty_like(qk)
     fa4_backward(grad_out, qk[:, :heads], qk[:, heads:], v, out, lse, cu_seqlens, max_seqlen, window_table, window_row,
                  dq=d_qk[:, :heads], dk=d_qk[:, heads:], dv=d_qkv[:, 2 * heads:])
     qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv)
@@ -2410,8 +2315,7 @@ def _(grad_out, qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, max_seqle
 
 def _fa4_qkv_setup_context(ctx, inputs, output):
     qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row = inputs
-    out, lse, qk, v_used, rstd = output
-    ctx.save_for_backward(qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, window_table)
+    ctx.save_for_backward(qkv, cos, sin, *output, cu_seqlens, window_table)  # output: out, lse, qk, v_used, rstd
     ctx.max_seqlen, ctx.window_row, ctx.has_ve = max_seqlen, window_row, ve is not None
 
 def _fa4_qkv_backward(ctx, grad_out, *_):
@@ -2432,8 +2336,7 @@ def fa4_on_this_gpu():
     return fa4_interface()
 
 FUSED_KERNELS["attention"] = FusedKernel(attention, fused_attention, (attention, rotary, norm, flash_attention,
-                                                                      scale_and_window), "beb42ed1db10",
-                                         lambda fp8: fa4_on_this_gpu())
+                                         scale_and_window), "beb42ed1db10", lambda fp8: fa4_on_this_gpu())
 
 @functools.cache
 def quack_gemm():
@@ -2489,8 +2392,7 @@ def _(grad, x, w_fc, w_proj, pre):
     return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
 
 def _relu2_mlp_setup_context(ctx, inputs, output):
-    x, w_fc, w_proj = inputs
-    ctx.save_for_backward(x, w_fc, w_proj, output[1])
+    ctx.save_for_backward(*inputs, output[1])  # x, w_fc, w_proj, pre
 
 def _relu2_mlp_backward_rule(ctx, grad_out, _grad_pre):
     return torch.ops.speedrun.relu2_mlp_backward(grad_out, *ctx.saved_tensors)
@@ -2513,8 +2415,7 @@ def _(residual, y, w):
     return torch.empty_like(residual)
 
 def _residual_linear_setup_context(ctx, inputs, output):
-    _, y, w = inputs
-    ctx.save_for_backward(y, w)
+    ctx.save_for_backward(*inputs[1:])  # y, w
 
 def _residual_linear_backward(ctx, grad):
     y, w = ctx.saved_tensors
@@ -2539,9 +2440,8 @@ CE_BACKWARD_TILE = (64, 128, 8)   # the same of _softcap_ce_backward_kernel (ben
 @torch.library.custom_op("speedrun::softcap_ce_forward", mutates_args=())
 def fused_softcap_ce_forward(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """(summed cross-entropy of softcap(logits), per-token log-sum-exp), both fp32, in one pass over the logits."""
-    T = logits.size(0)
-    lse = torch.empty(T, dtype=torch.float32, device=logits.device)
-    per_token = torch.empty(T, dtype=torch.float32, device=logits.device)
+    lse = logits.new_empty(logits.size(0), dtype=torch.float32)
+    per_token = torch.empty_like(lse)
     launch_softcap_ce_forward(logits, targets, lse, per_token)
     return per_token.sum(), lse
 
@@ -2555,8 +2455,7 @@ def fused_softcap_ce_backward(logits: Tensor, lse: Tensor, targets: Tensor, grad
     """The e5m2 operand of the FP8 backward, e5m2(bf16(grad · d loss / d logits) / grad_s), in the (T, V) and the
     (V, T) layout its two GEMMs read."""
     T, V = logits.shape
-    g = torch.empty((T, V), dtype=torch.uint8, device=logits.device)
-    g_t = torch.empty((V, T), dtype=torch.uint8, device=logits.device)
+    g, g_t = logits.new_empty((T, V), dtype=torch.uint8), logits.new_empty((V, T), dtype=torch.uint8)
     launch_softcap_ce_backward(logits, lse, targets, grad, g, g_t, grad_s)
     return g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
 
@@ -2744,8 +2643,6 @@ _SMEM_BUDGET = 160 * 1024    # H100/H200 have 227 KB per block; keep room for th
 def _pow2_at_least(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
-# Tile overrides, {kind: {...}} or {(kind, m, k): {...}}, for tile sweeps and tests (symmetric kernels keep BLOCK_N
-# equal to BLOCK_M); empty in training.
 def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
     """Tiles and launch config of xxt ((n, m, k) -> (n, m, m)), ba_plus_cAA or ax_plus_bx ((n, m, m) x (n, m, k)):
     128x128 tiles, BLOCK_K 64, 8 warps, 4 stages (3 for ax_plus_bx), smaller where a matrix or _SMEM_BUDGET is."""
@@ -2870,16 +2767,14 @@ def _as_batched(t: Tensor) -> Tensor:
 
 def xxt(X: Tensor, out: Tensor = None) -> Tensor:
     """out = X Xᵀ for X (m, k) or (n, m, k) -> (m, m) / (n, m, m), in X's dtype (fp32 accumulation)."""
-    if out is None:
-        out = X.new_empty(*X.shape[:-1], X.size(-2))
+    out = X.new_empty(*X.shape[:-1], X.size(-2)) if out is None else out
     if not _kernels_usable(X):
         return torch.matmul(X, X.mT, out=out)
     return _launch_sym_gram("xxt", X, out, 1.0, 0.0, add_x=False)
 
 def ba_plus_cAA(A: Tensor, b: float, c: float, out: Tensor = None) -> Tensor:
     """out = b·A + c·A·A for symmetric A (m, m) or (n, m, m) (symmetry is assumed, not checked)."""
-    if out is None:
-        out = torch.empty_like(A)
+    out = torch.empty_like(A) if out is None else out
     if not _kernels_usable(A):
         return torch.add(torch.mul(A, b), torch.matmul(A, A), alpha=c, out=out)
     return _launch_sym_gram("ba_plus_cAA", A, out, float(c), float(b), add_x=True)
@@ -2891,31 +2786,25 @@ def _launch_sym_gram(kind: str, X: Tensor, out: Tensor, alpha: float, beta: floa
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     t = triton.cdiv(m, bm)
     _sym_gram_kernel[(t * t, n)](
-        X3, C3, m, k, alpha, beta, X3.stride(0), X3.stride(1), X3.stride(2), C3.stride(0), C3.stride(1), C3.stride(2),
-        BLOCK_M=bm, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bk == 0), ADD_X=add_x,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        X3, C3, m, k, alpha, beta, *X3.stride(), *C3.stride(), BLOCK_M=bm, BLOCK_K=bk,
+        EVEN=(m % bm == 0 and k % bk == 0), ADD_X=add_x, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 def ax_plus_bx(X: Tensor, B: Tensor, a: float, out: Tensor = None) -> Tensor:
     """out = a·X + B X for X (m, k) / (n, m, k) and B (m, m) / (n or 1, m, m); out must not alias X."""
-    if out is None:
-        out = torch.empty_like(X)
+    out = torch.empty_like(X) if out is None else out
     if not _kernels_usable(X):
         if X.dim() == 3 and B.shape == (X.size(0), X.size(1), X.size(1)):
             return torch.baddbmm(X, B, X, beta=a, out=out)
         return torch.add(torch.matmul(B, X), X, alpha=a, out=out)
-    X3, C3 = _as_batched(X), _as_batched(out)
-    B3 = _as_batched(B)
+    X3, B3, C3 = _as_batched(X), _as_batched(B), _as_batched(out)
     n, m, k = X3.shape
     cfg = kernel_config("ax_plus_bx", n, m, k, X.dtype)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     s_bb = 0 if B3.size(0) == 1 else B3.stride(0)
     _ax_plus_bx_kernel[(triton.cdiv(m, bm) * triton.cdiv(k, bn), n)](
-        X3, B3, C3, m, k, float(a),
-        X3.stride(0), X3.stride(1), X3.stride(2), s_bb, B3.stride(1), B3.stride(2),
-        C3.stride(0), C3.stride(1), C3.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN=(m % bm == 0 and k % bn == 0 and m % bk == 0),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        X3, B3, C3, m, k, float(a), *X3.stride(), s_bb, B3.stride(1), B3.stride(2), *C3.stride(),
+        EVEN=(m % bm == 0 and k % bn == 0 and m % bk == 0), **cfg)
     return out
 _TRITON_OPS = (xxt, ba_plus_cAA, ax_plus_bx)
 
@@ -2969,13 +2858,11 @@ def grad_accum_steps_for(world_size: int) -> int:
                       "(or a multiple of 8 across nodes), e.g. torchrun --nproc_per_node=8")
 
 def pick_device(args: Hyperparameters) -> str:
-    if args.device == "cpu":
-        return "cpu"
-    if torch.cuda.is_available():
+    if args.device != "cpu" and torch.cuda.is_available():
         return "cuda"
     if args.device == "cuda":
         raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu (slow; try --smoke)")
-    if args.smoke:
+    if args.device == "cpu" or args.smoke:
         return "cpu"
     raise ConfigError("no CUDA device found: run on NVIDIA GPUs, or add --device cpu --smoke for a CPU smoke run")
 
@@ -3002,8 +2889,7 @@ def launcher_variables(env, check: bool = False) -> tuple[int, int, int]:
 
 def resolve_runtime(args: Hyperparameters) -> Runtime:
     """Every derived setting, once: what the model, the optimizers, the log and the benchmark all read."""
-    env = os.environ
-    world_size, rank, local_rank = launcher_variables(env, check=args.check or args.check_flags)
+    world_size, rank, local_rank = launcher_variables(os.environ, check=args.check or args.check_flags)
     device = pick_device(args)
     if device != args.device and device == "cpu" and rank == 0:
         print("note: no CUDA device found, so the smoke run trains on the CPU (--device cpu says so and silences "
@@ -3017,13 +2903,11 @@ def resolve_runtime(args: Hyperparameters) -> Runtime:
         raise ConfigError(f"--cuda-graphs {args.cuda_graphs} needs a CUDA GPU: use --cuda-graphs auto or off")
     fp8 = args.fp8 == "on" or (args.fp8 == "auto" and device == "cuda")
     kernels, notes = resolve_kernels(args.kernels, device, fp8)
-    return Runtime(device=device, rank=rank, local_rank=local_rank,
-                   world_size=world_size, launched=bool(env.get("MASTER_ADDR")) and "RANK" in env,
-                   grad_accum_steps=grad_accum_steps_for(world_size),
-                   compile=use_compile, fp8=fp8, kernels=kernels, kernel_notes=tuple(notes),
-                   cuda_graphs=args.cuda_graphs in ("on", "check") or (args.cuda_graphs == "auto" and device == "cuda"
-                                                                       and use_compile),
-                   check_graphs=args.cuda_graphs == "check",
+    graphs = args.cuda_graphs in ("on", "check") or (args.cuda_graphs == "auto" and device == "cuda" and use_compile)
+    return Runtime(device=device, rank=rank, local_rank=local_rank, world_size=world_size,
+                   launched=bool(os.environ.get("MASTER_ADDR")) and "RANK" in os.environ,
+                   grad_accum_steps=grad_accum_steps_for(world_size), compile=use_compile, fp8=fp8, kernels=kernels,
+                   kernel_notes=tuple(notes), cuda_graphs=graphs, check_graphs=args.cuda_graphs == "check",
                    bf16_gemms_in_fp32=device == "cpu" and not use_compile and not native_bf16_gemms())
 
 def setup_process_group(runtime: Runtime):
@@ -3036,10 +2920,8 @@ def setup_process_group(runtime: Runtime):
         if hasattr(libc, "mallopt"):  # M_MMAP_MAX 0: no block mapped alone; M_TRIM_THRESHOLD: keep up to 1 GiB free
             libc.mallopt(-4, 0), libc.mallopt(-1, 1 << 30)
     if runtime.world_size > 1 or runtime.launched:
-        if runtime.device == "cuda":
-            dist.init_process_group("nccl", device_id=torch.device("cuda", runtime.local_rank))
-        else:
-            dist.init_process_group("gloo")
+        device_id = torch.device("cuda", runtime.local_rank) if runtime.device == "cuda" else None
+        dist.init_process_group("gloo" if device_id is None else "nccl", device_id=device_id)
         dist.barrier()
 
 # --- CUDA graphs of the training micro-batch ---
@@ -3128,8 +3010,7 @@ class MicroBatchGraphs:
             torch._foreach_zero_(zero)
 
     def take_started_grads(self, grads_started: tuple):
-        """Copy the gradients that the backward just made for the params in grads_started into their buffers (a
-        param that got none: zeros), and point .grad at the buffers."""
+        """Copy the backward's gradients for grads_started into their buffers (none: zeros); point .grad at them."""
         made = [i for i in grads_started if self.params[i].grad is not None]
         if made:
             torch._foreach_copy_([self.grads[i] for i in made], [self.params[i].grad for i in made])
@@ -3186,10 +3067,8 @@ def compiled_graph_count() -> int:
 def compile_cache_counts() -> dict:
     """This process's cache hits and misses: Inductor's compiled graphs and AOT autograd's traced ones."""
     c = torch._dynamo.utils.counters
-    return dict(inductor=dict(hits=int(c["inductor"]["fxgraph_cache_hit"]),
-                              misses=int(c["inductor"]["fxgraph_cache_miss"])),
-                aot_autograd=dict(hits=int(c["aot_autograd"]["autograd_cache_hit"]),
-                                  misses=int(c["aot_autograd"]["autograd_cache_miss"])))
+    return {group: dict(hits=int(c[group][f"{name}_hit"]), misses=int(c[group][f"{name}_miss"]))
+            for group, name in (("inductor", "fxgraph_cache"), ("aot_autograd", "autograd_cache"))}
 
 def no_compiles_allowed(enabled: bool = True):
     """Context in which any torch.compile (re)compilation raises instead of silently spending tens of seconds:
@@ -3221,11 +3100,6 @@ def peak_memory(device: str) -> tuple:
     import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     return rss, rss, 0
-
-def peak_memory_line(device: str) -> str:
-    allocated, reserved, pool = peak_memory(device)
-    return f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB" + \
-        (f" graphs' pool: {pool} MiB" if device == "cuda" else "")
 
 class NonFiniteLossWatch:
     """Stops a run whose training loss is no longer finite without making the host wait: the device counts the steps
@@ -3303,9 +3177,7 @@ def process_start_time() -> float:
         return time.time()
 
 PROCESS_START = process_start_time()  # for the cold-start figure in the log
-
 SEPARATOR = "=" * 100
-
 LOG_SIGNATURE = '"""speedrun:'  # how every log starts: the source of the script that wrote it, whose first line this is
 
 def is_our_log(path: Path) -> bool:
@@ -3381,11 +3253,10 @@ class RunLock:
                               "--run-id")
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
-            refusal = cls.refusal(fd, path, log_file.stem)
+            if refusal := cls.refusal(fd, path, log_file.stem):
+                raise refusal
         finally:
             os.close(fd)
-        if refusal:
-            raise refusal
 
     @classmethod
     def acquire(cls, log_file: Path) -> "RunLock":
@@ -3412,8 +3283,7 @@ class RunLock:
 
     @classmethod
     def open_or_create(cls, path: Path) -> int:
-        """The lock file, opened: created complete (a temporary file linked into place), so that no other run ever
-        sees it empty."""
+        """The lock file, opened; created complete (a temporary file linked into place): no run ever sees it empty."""
         while True:
             with contextlib.suppress(FileNotFoundError):
                 return os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -3475,10 +3345,8 @@ def end_log_of_a_dead_run(log_file: Path, last_line: str) -> None:
     except (ConfigError, OSError):  # another run holds the run id by now
         return
     try:
-        with open(log_file, "a") as f:
+        with contextlib.suppress(OSError), open(log_file, "a") as f:
             f.write(last_line + "\n")
-    except OSError:
-        pass
     finally:
         lock.release()
 
@@ -3535,8 +3403,7 @@ def nvidia_smi() -> str:
 
 def check_writable(path: Path, what: str) -> None:
     """The folder `path` is, or would be created in, must be one this process can write in: checked before anything
-    is written or launched, so that a bad path is one line and not a traceback once the run has started. Symbolic
-    links are followed; a loop or a link to nothing is refused."""
+    is written or launched, so that a bad path is one line and not a traceback once the run has started."""
     existing = path
     while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
@@ -3550,8 +3417,7 @@ def check_writable(path: Path, what: str) -> None:
     if not real.is_dir():
         raise ConfigError(f"{what} {path}: {existing} is a file, not a folder; pick another path")
     try:
-        with tempfile.TemporaryFile(dir=real):
-            pass
+        tempfile.TemporaryFile(dir=real).close()
     except OSError as e:
         raise ConfigError(f"{what} {path}: cannot write in {existing} ({e.strerror or e}); pick a folder you can "
                           "write in") from None
@@ -3587,9 +3453,7 @@ def check_outputs(args: Hyperparameters) -> None:
         if bundle.is_dir():
             raise ConfigError(f"--compile-cache {bundle} is a folder, not a file: name the bundle's file, e.g. "
                               f"{bundle / 'compile_cache.zip'}")
-        if args.run_id and Path(os.path.abspath(bundle)) in {Path(os.path.abspath(f)) for f in
-                                                             (log_path(args, args.run_id),
-                                                              RunLock.path_for(log_path(args, args.run_id)))}:
+        if args.run_id and os.path.abspath(bundle) in {os.path.abspath(f) for f in (log, RunLock.path_for(log))}:
             raise ConfigError(f"--compile-cache {bundle} is this run's own log or lock: name another file")
         if os.path.lexists(bundle) and not is_our_bundle(bundle):
             raise ConfigError(f"--compile-cache {bundle} exists and is not a compile-cache bundle of this trainer: "
@@ -3633,8 +3497,7 @@ def ignore_further_signals():
         signal.signal(s, lambda signum, frame: None)
 
 def stop_on_signal(signum, frame):
-    """SIGINT, SIGTERM and SIGHUP end the run through Interrupted: the log's closing line, one console line, exit
-    128+N."""
+    """SIGINT, SIGTERM and SIGHUP end the run through Interrupted: the log's last line, one console line, exit 128+N."""
     ignore_further_signals()
     raise Interrupted(signum)
 
@@ -3709,11 +3572,9 @@ def default_kernel_cache_dirs(triton: bool = True) -> None:
     env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(user_tmp / "flash_attention_cute_dsl_cache"))
     env.setdefault("QUACK_CACHE_DIR", str(user_tmp / "quack_cache"))
     if triton and "TRITON_CACHE_DIR" not in env:
-        try:
+        with contextlib.suppress(Exception):  # a torch without it: Triton keeps its own default, which the bundle skips
             from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
             env["TRITON_CACHE_DIR"] = triton_cache_dir(int(env.get("LOCAL_RANK", 0)))
-        except Exception:  # a torch without it: Triton keeps its own default, which the bundle then skips
-            pass
 
 def own_triton_kernels() -> set:
     """Names of the Triton kernels defined in this file (the names of their entries in Triton's cache)."""
@@ -3816,8 +3677,7 @@ def load_compile_cache(path: Path) -> tuple[bool, str]:
                   + autotune_note)
 
 def save_compile_cache(path: Path) -> str:
-    """Write the bundle atomically (rank 0, after the warm-up), through a new temporary file of its own in the same
-    folder; returns the line for the log."""
+    """Write the bundle atomically (rank 0, after the warm-up), through a new file beside it; returns the log line."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return f"compile cache: nothing was compiled, {path} not written"
@@ -3832,8 +3692,7 @@ def save_compile_cache(path: Path) -> str:
             z.writestr("artifacts.bin", saved[0])
             z.writestr(INDUCTOR_DIR_ENTRY, inductor_cache_dir())
             for var in COMPILE_CACHE_DIRS:
-                folder = Path(os.environ.get(var, "")) if os.environ.get(var) else None
-                if folder is not None and folder.is_dir():
+                if os.environ.get(var) and (folder := Path(os.environ[var])).is_dir():
                     for f in kernel_cache_files(var, folder):
                         z.write(f, f"{var}/{f.relative_to(folder)}")
                         files += 1
@@ -3933,8 +3792,7 @@ def run(args: Hyperparameters) -> None:
     t_warm = time.time()
     log.where = "during the warm-up"
     trainer.warm_up_kernels()
-    cache_note = compile_cache_after_warm_up(cache_path, cache_loaded) if runtime.master else ""
-    if cache_note:
+    if runtime.master and (cache_note := compile_cache_after_warm_up(cache_path, cache_loaded)):
         log(cache_note)
     caches = compile_cache_counts()
     log(f"Kernel warm-up done in {time.time() - t_warm:.1f}s (process start to timed loop: "
@@ -3945,7 +3803,9 @@ def run(args: Hyperparameters) -> None:
     if dist.is_initialized() and runtime.world_size > 1:
         same = replicas_identical(trainer.model)
         log(f"replica check: parameters {'bit-identical' if same else 'DIFFER'} across {runtime.world_size} ranks")
-    log(peak_memory_line(runtime.device))
+    allocated, reserved, pool = peak_memory(runtime.device)
+    log(f"peak memory allocated: {allocated} MiB reserved: {reserved} MiB"
+        + (f" graphs' pool: {pool} MiB" if runtime.device == "cuda" else ""))
     log(summary_line(args, runtime, result))
     if args.save_checkpoint and runtime.master:
         log.where = "while saving the checkpoint"
@@ -3960,8 +3820,7 @@ def main(argv=None) -> int:
     prefix = "error" if rank == 0 else f"error (rank {rank})"
     status = 1
     try:
-        args = parse_args(argv)
-        run(args)
+        run(parse_args(argv))
         status = 0
     except (ConfigError, ShardError, DataExhausted) as e:
         # Config errors are seen identically by every rank: rank 0 speaks for all. Data errors during training
@@ -3990,14 +3849,15 @@ def main(argv=None) -> int:
             end_log(f"crashed {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             if not dist.is_initialized():
                 raise  # a bug: its traceback
-            traceback.print_exc()  # the same, before the exit without the teardown below
-        device = "GPU" if isinstance(e, torch.OutOfMemoryError) else "machine"
-        said = (f"these settings need more than this {device} has; shrink the tokens per process "
-                "(--train-bs-schedule, --train-bs-extension, --val-batch-size) or the model (--model-dim), or use more "
-                "GPUs")
-        end_log(f"stopped {where}: out of memory: {said}")
-        print(f"{prefix}: out of memory {where}: {said}", file=sys.stderr, flush=True)
-        status = 2
+            traceback.print_exc()  # the same, before the exit (status 1) without the teardown below
+        else:
+            device = "GPU" if isinstance(e, torch.OutOfMemoryError) else "machine"
+            said = (f"these settings need more than this {device} has; shrink the tokens per process "
+                    "(--train-bs-schedule, --train-bs-extension, --val-batch-size) or the model (--model-dim), or use "
+                    "more GPUs")
+            end_log(f"stopped {where}: out of memory: {said}")
+            print(f"{prefix}: out of memory {where}: {said}", file=sys.stderr, flush=True)
+            status = 2
     finally:
         exit_on_signal("after the run ended")  # nothing is left to close; the teardown below may still take a moment
         if dist.is_initialized():

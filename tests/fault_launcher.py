@@ -1,6 +1,7 @@
 """torchrun entry point for the fault tests: train_gpt.main() with one rank made to fail at a given step.
 
-FAULT_RANK, FAULT_STEP and FAULT_KIND (raise | kill) come from the environment; every other rank runs
+FAULT_RANK, FAULT_STEP and FAULT_KIND (raise: a data error | bug: any other exception | kill) come from the
+environment; every other rank runs
 the unmodified trainer and must not hang.
 """
 import os
@@ -29,6 +30,8 @@ if rank == fault_rank:
             print(f"fault injected: rank {rank} {kind} at step {step}, unix time {time.time():.3f}", flush=True)
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "bug":
+                raise RuntimeError(f"simulated bug in rank {rank} at step {step}")
             raise tg.ShardError(f"simulated corrupt shard seen by rank {rank} at step {step}")
         return real_train_step(self, step, *args, **kwargs)
 

@@ -82,7 +82,7 @@ def test_the_tokens_a_schedule_needs_are_the_sum_over_its_steps():
         args = tg.Hyperparameters(num_scheduled_iterations=n, num_extension_iterations=e, train_bs_schedule=sizes,
                                   train_bs_extension=5, ws_schedule=(3,) * k, lr_plateaus=(1.0,) * k,
                                   lr_plateau_starts=tuple(i / (k + 1) for i in range(k)))
-        assert tg.tokens_needed(args) == sum(tg.get_bs(step, args) for step in range(args.num_iterations))
+        assert tg.tokens_needed(args) == sum(tg.stage_at(step, args).batch_size for step in range(args.num_iterations))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def loader_runs_out_at(args, files, runtime):
     batches = tg.distributed_data_generator(files, args.train_bs_schedule[0], args.train_max_seq_len, accum, 0,
                                             runtime.world_size, args.train_epochs)
     for step in range(args.num_iterations):
-        bs = tg.get_bs(step, args)
+        bs = tg.stage_at(step, args).batch_size
         for micro in range(accum):
             try:
                 if previous is None:

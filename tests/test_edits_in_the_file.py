@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import train_gpt as tg
+from optimizer_plans import optimizer_plan
 from dist_utils import launcher_env
 from proxy_shards import build_shards
 
@@ -135,9 +136,9 @@ def test_an_edit_of_the_file_trains_at_w1_passes_check_at_w2_and_w8_and_keeps_ev
     assert module.layer_map(args.num_layers).line() in log  # the map it ran with, in the log
     assert "kernels: no fused kernel runs on the cpu: the plain functions, as --kernels plain" in log
     for world_size in (2, 8):
-        record = tg.optimizer_plan(tg.GPT(dataclasses.replace(tg.parse_args(TINY), num_layers=args.num_layers), 64),
+        record = optimizer_plan(tg.GPT(dataclasses.replace(tg.parse_args(TINY), num_layers=args.num_layers), 64),
                                    world_size)
-        plan = module.optimizer_plan(trainer.model, world_size)
+        plan = optimizer_plan(trainer.model, world_size, module)
         renamed = {n.replace("head_gate", "attn_gate"): v for n, v in plan.items()}
         assert {n: v[1] for n, v in renamed.items() if n in record} == {n: v[1] for n, v in record.items()}
         if "NorMuon: the matrices differ from the record's" not in log:  # else the log says how they are grouped

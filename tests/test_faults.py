@@ -1,5 +1,6 @@
 """A failure on one rank must end the whole job promptly (torchrun tears the other ranks down) instead of
-leaving them blocked in a collective: 2 gloo processes, rank 1 raises or is SIGKILLed in its second timed step."""
+leaving them blocked in a collective: 2 gloo processes, rank 1 raises (a data error or a bug) or is SIGKILLed in its
+second timed step."""
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ def data(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("kind", ["raise", "kill"])
+@pytest.mark.parametrize("kind", ["raise", "bug", "kill"])
 def test_one_failing_rank_ends_the_job(tmp_path, data, kind):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                FAULT_RANK="1", FAULT_STEP="1", FAULT_KIND=kind)
@@ -42,6 +43,8 @@ def test_one_failing_rank_ends_the_job(tmp_path, data, kind):
     assert "step:1/12 train_time" in log and "step:3/12" not in log  # it stopped at the fault, not at the end
     if kind == "raise":
         assert "error (rank 1): simulated corrupt shard seen by rank 1 at step 1" in r.stderr
+    elif kind == "bug":  # a bug is its traceback, never mistaken for running out of memory
+        assert "RuntimeError: simulated bug in rank 1 at step 1" in r.stderr and "out of memory" not in r.stderr
     else:
         assert "Signal 9" in r.stderr or "SIGKILL" in r.stderr
     assert elapsed < 150, f"the job took {elapsed:.0f}s to end after one rank failed"

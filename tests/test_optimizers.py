@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import train_gpt as tg
+from optimizer_plans import optimizer_plan
 from dist_utils import run_gloo
 
 BETA, BETA2 = 0.95, 0.95
@@ -680,7 +681,7 @@ def test_a_normuon_rank_that_would_stack_qkvo_with_other_matrices_is_one_line_na
 def test_the_optimizer_plan_names_each_parameters_group_and_how_its_update_is_normalised(small_gpt_args,
                                                                                          world_size):
     model = tg.GPT(small_gpt_args, max_seq_len=64)
-    plan = tg.optimizer_plan(model, world_size)
+    plan = optimizer_plan(model, world_size)
     assert set(plan) == {name for name, _ in model.named_parameters()}
     assert plan["blocks.1.attn.qkvo_w"] == ("NorMuon " + ("attn+mlp" if world_size == 8 else "attn"),
                                             "qkvo, second moment per row")
@@ -690,6 +691,14 @@ def test_the_optimizer_plan_names_each_parameters_group_and_how_its_update_is_no
     assert plan["scalars"] == ("DistAdam scalars", f"adam, {-(-62 // world_size)} rows per rank")  # 62 or 8 (64)
     assert plan["embed.weight"] == ("DistAdam embed", f"adam, {50304 // world_size} rows per rank")
     assert plan["value_embeds.2.weight"][0] == "DistAdam value_embed" and plan["lm_head.weight"][0] == "DistAdam lm_head"
+    if world_size == 1:  # the plan is what build_optimizers makes: NorMuon's groups and statistics, DistAdam's params
+        adam, muon = tg.build_optimizers(model, small_gpt_args)
+        names = {id(p): n for n, p in model.named_parameters()}
+        built = {names[id(p)]: (f"NorMuon {group['label']}", "per row" if layout["reduce_dim"] == -1 else "per column")
+                 for group, layout in zip(muon.param_groups, muon._layout) for p in group["params"]}
+        built.update({names[id(p)]: (f"DistAdam {p.label}", None) for g in adam.param_groups for p in g["params"]})
+        assert built == {n: (g, s.split("second moment ")[1] if g.startswith("NorMuon") else None)
+                         for n, (g, s) in plan.items()}
 
 
 def test_treatment_not_a_parameters_name_decides_how_normuon_normalises_it(small_gpt_args):
@@ -698,7 +707,7 @@ def test_treatment_not_a_parameters_name_decides_how_normuon_normalises_it(small
     model = tg.GPT(small_gpt_args, max_seq_len=64)
     model.value_gate = tg.set_optimizer_label(nn.Parameter(torch.zeros(2, 12)), "value_gate", "matrix")
     model.mixer = tg.set_optimizer_label(nn.Parameter(torch.zeros(2, 12)), "mixer", "gate")
-    plan = tg.optimizer_plan(model, 1)
+    plan = optimizer_plan(model, 1)
     assert plan["value_gate"] == ("NorMuon value_gate", "matrix, second moment per column")
     assert plan["mixer"] == ("NorMuon mixer", "gate, second moment per row")
     adam, muon = tg.build_optimizers(model, small_gpt_args)

@@ -71,7 +71,7 @@ def args_for(scheduled, extension):
 def test_every_schedule_matches_the_record_formulas_at_every_step(scheduled, extension):
     a, rec = args_for(scheduled, extension), RecordSchedule(scheduled, extension)
     for step in range(a.num_iterations + 1):
-        assert tg.get_bs(step, a) == rec.bs(step), step
+        assert tg.stage_at(step, a).batch_size == rec.bs(step), step
         assert ws_at(step, a) == rec.ws(step), step
         assert tg.get_lr(step, a) == rec.lr(step), step          # bit-equal: same float expression
         assert tg.get_muon_momentum(step, a) == rec.momentum(step), step
@@ -84,7 +84,7 @@ def test_stage_table_first_steps_are_where_the_window_changes(scheduled, extensi
     assert [s.first_step for s in table[1:]] == rec.yarn_steps()
     assert table[0].first_step == 0 and table[-1].name == "extension"
     for s in table:
-        assert tg.get_bs(s.first_step, a) == s.batch_size and ws_at(s.first_step, a) == (s.ws_short, s.ws_long)
+        assert tg.stage_at(s.first_step, a).batch_size == s.batch_size and ws_at(s.first_step, a) == (s.ws_short, s.ws_long)
         if s.first_step > 0:
             assert ws_at(s.first_step - 1, a) != (s.ws_short, s.ws_long)
 
@@ -124,12 +124,12 @@ def test_total_steps():
 
 @pytest.mark.parametrize("step,bs", [(0, 131072), (706, 131072), (707, 262144), (1413, 262144),
                                      (1414, 393216), (2119, 393216), (2120, 393216), (2159, 393216)])
-def test_get_bs_boundaries(step, bs):
-    assert tg.get_bs(step, A) == bs
+def test_the_batch_size_changes_at_the_stage_boundaries(step, bs):
+    assert tg.stage_at(step, A).batch_size == bs
 
 
 def test_total_training_tokens():
-    assert sum(tg.get_bs(s, A) for s in range(A.num_iterations)) == 571_342_848
+    assert sum(tg.stage_at(s, A).batch_size for s in range(A.num_iterations)) == 571_342_848
 
 
 @pytest.mark.parametrize("step,ws", [(0, (1, 3)), (706, (1, 3)), (707, (3, 7)), (1413, (3, 7)),
@@ -162,7 +162,7 @@ def test_get_muon_momentum_full_schedule(step, m):
 def test_smoke_preset_schedule():
     s = tg.Hyperparameters(**tg.SMOKE_PRESET)
     assert s.num_iterations == 33
-    assert [tg.get_bs(k, s) for k in (0, 9, 10, 19, 20, 29, 30, 32)] == [512] * 2 + [1024] * 2 + [1536] * 4
+    assert [tg.stage_at(k, s).batch_size for k in (0, 9, 10, 19, 20, 29, 30, 32)] == [512] * 2 + [1024] * 2 + [1536] * 4
     assert [ws_at(k, s) for k in (0, 10, 20, 30)] == [(1, 3), (3, 7), (5, 11), (6, 13)]
 
 

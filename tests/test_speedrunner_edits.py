@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import train_gpt as tg
+from optimizer_plans import optimizer_plan
 from dist_utils import runtime_for
 from proxy_shards import build_shards
 from test_cli_and_errors import main, refused  # noqa: F401  (main: a fixture)
@@ -334,7 +335,7 @@ def test_a_new_gate_declared_a_matrix_under_its_own_label_is_normalised_as_a_wid
     """Its name says gate, but the treatment decides: one second moment per column of the wide (heads, 12) matrix."""
     with_gate(monkeypatch, "input_gate", "matrix")
     trainer = build(tiny_args(data, tmp_path))
-    plan = tg.optimizer_plan(trainer.model, 1)
+    plan = optimizer_plan(trainer.model, 1)
     assert plan["blocks.1.attn.input_gate.weight"] == ("NorMuon input_gate", "matrix, second moment per column")
     assert plan["blocks.1.attn.attn_gate.weight"] == ("NorMuon attn_gate", "gate, second moment per row")
     dims = {group["label"]: layout["reduce_dim"] for group, layout in zip(trainer.muon.param_groups,

@@ -30,7 +30,8 @@ GELU = ("    return F.relu(F.linear(x, w_fc)).square() @ w_proj\n", "    return 
 # A step-dependent number the forward reads: set by each training step, frozen into a graph at its capture.
 PLANTED = [("        adam_steps = step % 2 == 1\n",
             "        adam_steps = step % 2 == 1\n        self.model.drift = step / 100\n"),
-           ("        x = x0 = norm(x)\n", "        x = x0 = norm(x) * (1 + getattr(self, 'drift', 0.0))\n")]
+           ("        x = x0 = norm(torch.cat([x[:1], x[1:] + gate * x[:-1]]))\n",
+            "        x = x0 = norm(torch.cat([x[:1], x[1:] + gate * x[:-1]])) * (1 + getattr(self, 'drift', 0.0))\n")]
 
 
 @pytest.fixture(scope="module")
