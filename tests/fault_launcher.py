@@ -1,8 +1,7 @@
 """torchrun entry point for the fault tests: train_gpt.main() with one rank made to fail at a given step.
 
 FAULT_RANK, FAULT_STEP and FAULT_KIND (raise: a data error | bug: any other exception | kill) come from the
-environment; every other rank runs
-the unmodified trainer and must not hang.
+environment; every other rank runs the unmodified trainer and must not hang.
 """
 import os
 import signal
