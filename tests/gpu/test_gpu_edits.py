@@ -46,6 +46,7 @@ def run_edited(tmp_path, data, replacements, *flags):
     for old, new in replacements:
         assert source.count(old) == 1, old
         source = source.replace(old, new)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "train_gpt.py"
     script.write_text(source)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
