@@ -18,25 +18,24 @@ import train_gpt as tg
 from optimizer_plans import optimizer_plan
 from dist_utils import launcher_env
 from proxy_shards import build_shards
+from test_speedrunner_edits import TINY as EDITS_TINY, one_thread  # noqa: F401  (one_thread: an autouse fixture)
 
 SOURCE = Path(tg.__file__).read_text()
-TINY = ["--smoke", "--device", "cpu", "--seed", "0", "--model-dim", "32", "--num-heads", "2", "--head-dim", "16",
-        "--block-size", "16", "--train-max-seq-len", "64", "--train-bs-schedule", "64,64,64",
-        "--train-bs-extension", "64", "--val-batch-size", "64", "--val-tokens", "64", "--num-scheduled-iterations", "6",
-        "--num-extension-iterations", "0"]
+TINY = [*EDITS_TINY, "--num-scheduled-iterations", "6", "--num-extension-iterations", "0"]  # --check: data for 6 steps
+
+C_PROJ = '        self.c_proj = set_optimizer_label(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", "matrix", ' \
+    'lr_mul=2.0)\n'
 
 # Each edit: (name, replacements, flags). A replacement's old text must occur exactly once in the file.
 NEW_GATE = ("a new gate per block (the MLP's output, per token)", [
-    ('        self.c_proj = set_optimizer_label(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", "matrix", lr_mul=2.0)\n',
-     '        self.c_proj = set_optimizer_label(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", "matrix", lr_mul=2.0)\n'
+    (C_PROJ, C_PROJ +
      '        self.out_gate = set_optimizer_label(nn.Parameter(torch.zeros(1, GATE_INPUTS)), "mlp_gate", "gate")\n'),
     ('        return kernels["mlp"](x, self.c_fc.type_as(x), self.c_proj.type_as(x))\n',
      '        gate = 2 * torch.sigmoid(F.linear(gate_input(x), self.out_gate.type_as(x)))\n'
      '        return gate * kernels["mlp"](x, self.c_fc.type_as(x), self.c_proj.type_as(x))\n'),
 ], [])
 BLOCK_SCALAR = ("a new scalar per block (the MLP's output scale)", [
-    ('        self.c_proj = set_optimizer_label(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", "matrix", lr_mul=2.0)\n',
-     '        self.c_proj = set_optimizer_label(nn.Parameter(torch.zeros(4 * dim, dim)), "mlp", "matrix", lr_mul=2.0)\n'
+    (C_PROJ, C_PROJ +
      '        self.scale = set_optimizer_label(nn.Parameter(torch.ones(1)), "mlp_scale", "adam", 5.0)\n'),
     ('        return kernels["mlp"](x, self.c_fc.type_as(x), self.c_proj.type_as(x))\n',
      '        return self.scale.type_as(x) * kernels["mlp"](x, self.c_fc.type_as(x), self.c_proj.type_as(x))\n'),
@@ -81,14 +80,6 @@ def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("file_edits") / "data"
     build_shards(folder, train_shards=1, tokens_per_train_shard=30_000, val_tokens=2_000)
     return folder
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def two_steps_at_w1(module, args, tmp_path):
