@@ -2919,7 +2919,7 @@ def setup_process_group(runtime: Runtime):
         libc = ctypes.CDLL(None)
         if hasattr(libc, "mallopt"):  # M_MMAP_MAX 0: no block mapped alone; M_TRIM_THRESHOLD: keep up to 1 GiB free
             libc.mallopt(-4, 0), libc.mallopt(-1, 1 << 30)
-    if runtime.world_size > 1 or runtime.launched:
+    if (runtime.world_size > 1 or runtime.launched) and not dist.is_initialized():  # bench.py may have made one
         device_id = torch.device("cuda", runtime.local_rank) if runtime.device == "cuda" else None
         dist.init_process_group("gloo" if device_id is None else "nccl", device_id=device_id)
         dist.barrier()

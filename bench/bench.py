@@ -6,7 +6,10 @@
 Synthetic document-structured tokens (the loss is meaningless; the shapes, the data loader and every kernel are the
 real run's), on one GPU or under torchrun (rank 0 writes). --as-world-size K runs every rank with the micro-batches
 of a K-GPU run (8: one micro-batch per rank and step, of a 1/8 of the batch), so two GPUs time what a rank of the
-8-GPU speedrun does, its collectives excepted (they are the W ranks' here). Measures, in this order:
+8-GPU speedrun does, its collectives excepted (they are the W ranks' here). On one process, --as-world-size K
+[--as-rank R] runs exactly what rank R of a K-GPU run computes: its micro-batch and its optimizer shard (NorMuon's
+matrices and gates, DistAdam's rows), the collectives through torch's fake process group (no data crosses GPUs);
+every rank's shard has the same shapes (tests/test_bench.py), so any R times them all. Measures, in this order:
   * cold start: process start -> end of the kernel warm-up (every train and eval graph compiled), i.e. the moment
     the real script starts its timed loop; with --cached-start a second process measures it again with the
     Inductor/Triton caches this one left behind. `-- --compile-cache FILE` loads the trainer's portable bundle first
@@ -42,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +154,8 @@ def relative_error(a: Tensor, b: Tensor) -> float:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"world size {result.get('world_size', 1)}, each rank as a rank of {result.get('as_world_size', 1)} GPUs",
+    lines = [f"world size {result.get('world_size', 1)}, each rank as a rank of {result.get('as_world_size', 1)} GPUs"
+             + (f"; collectives: {result['collectives']}" if result.get("collectives") else ""),
              f"{'stage':<10} {'tokens/step':>11} {'windows':>8} {'ms/step':>8} {'host ms':>7} {'comm exp':>8} "
              f"{'ref ms':>7} {'x ref':>6} {'tokens/s':>10} {'MFU':>6} {'MFU@798':>7} {'peak in use':>11}"]
     for s in result["stages"]:
@@ -538,6 +543,30 @@ def as_world_size(args: tg.Hyperparameters, world: int, as_world: int) -> tg.Hyp
                                val_batch_size=scale(args.val_batch_size), val_tokens=scale(args.val_tokens))
 
 
+def emulate_rank(rank: int, world_size: int) -> str:
+    """Make this one process rank `rank` of a `world_size`-process run: a process group of torch's fake backend,
+    whose collectives move nothing between GPUs (a reduce-scatter or all-gather copies this rank's own part, or does
+    nothing, by torch version), so that the trainer built next runs exactly that rank's micro-batch and optimizer
+    shard: its NorMuon matrices and gates and its DistAdam rows. Returns the line that says so."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    return (f"one process as rank {rank} of {world_size}: its micro-batch and its optimizer shard; collectives: "
+            f"torch's fake process group (no data crosses GPUs: each is a local copy or nothing)")
+
+
+def rank_work(muon, adam) -> dict:
+    """What this rank's optimizers update, read off the optimizers themselves: per NorMuon group the shape of its
+    shard (ceil(group / W) matrices, zero padding included), per DistAdam parameter its rows. Ranks whose dicts are
+    equal do equal work."""
+    rows = []
+    for group in adam.param_groups:
+        for p in group["params"]:
+            lo, hi = adam._slice_rows(p)
+            rows.append((p.label, hi - lo, *p.shape[1:]))
+    shards = [(group["label"], *layout["shard"].shape) for group, layout in zip(muon.param_groups, muon._layout)]
+    return dict(normuon=shards, distadam=rows)
+
+
 def bench_args(data_dir: Path, seed: int, train_flags=()) -> tg.Hyperparameters:
     """The trainer's settings from its own command line (the record's defaults plus `train_flags`); only the data
     (synthetic, cycled) and the validation set (one batch) are the benchmark's."""
@@ -593,6 +622,9 @@ def main(argv=None) -> int:
     ap.add_argument("--as-world-size", type=int, default=0, metavar="K",
                     help="run each rank as a rank of a K-GPU run does: 8 // K micro-batches per step of 1/8 of the "
                          "stage's batch each (the global batch shrinks by W/K; timing only). Default: this run's W")
+    ap.add_argument("--as-rank", type=int, default=0, metavar="R",
+                    help="with --as-world-size K on one process: run exactly what rank R of a K-GPU run computes, its "
+                         "micro-batch and its optimizer shard (collectives: torch's fake process group). Default 0")
     ap.add_argument("train_flags", nargs="*", metavar="-- TRAIN_FLAGS",
                     help="train_gpt.py flags for an A/B, after `--` (e.g. -- --kernels plain)")
     a = ap.parse_args(argv)
@@ -610,7 +642,11 @@ def main(argv=None) -> int:
                                  f"multiple of the processes")
         if a.cached_start and world > 1:
             raise tg.ConfigError("--cached-start measures one process: run it without torchrun")
-        args = as_world_size(bench_args(Path(a.data_dir), seed=1234, train_flags=a.train_flags), world, as_world)
+        emulated = world == 1 and as_world > 1  # one process as one rank of as_world: the batch is the real one
+        if not 0 <= a.as_rank < as_world or (a.as_rank and not emulated):
+            raise tg.ConfigError(f"--as-rank {a.as_rank}: give a rank below --as-world-size {as_world}, on one process")
+        args = as_world_size(bench_args(Path(a.data_dir), seed=1234, train_flags=a.train_flags),
+                             as_world if emulated else world, as_world)
     except tg.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -626,6 +662,10 @@ def main(argv=None) -> int:
     t = time.time()
     rt = tg.resolve_runtime(args)
     rt = dataclasses.replace(rt, grad_accum_steps=tg.grad_accum_steps_for(as_world))
+    collectives = "the processes' own (NCCL)" if world > 1 else "none: one process"
+    if emulated:
+        collectives = emulate_rank(a.as_rank, as_world)
+        rt = dataclasses.replace(rt, world_size=as_world, rank=a.as_rank, launched=True)
     parts["kernel libraries"] = time.time() - t  # resolving the backends imports FA4's and quack's CuTe DSL
     t = time.time()
     trainer = tg.build_trainer(args, rt, out.with_name(out.stem + "_trainer_log.txt"), replace_log=True)
@@ -646,6 +686,7 @@ def main(argv=None) -> int:
                 peak_memory_through_warm_up=warm_up_peak,
                 compile_cache=cache_line, **compile_report())
     say = print if master else (lambda *_, **__: None)
+    say(f"collectives: {collectives}", flush=True)
     say(f"cold start {cold['this_process_s']:.1f}s (warm-up {warm_up_s:.1f}s)", flush=True)
     if a.cold_start_only:
         out.write_text(json.dumps(cold))
@@ -659,7 +700,8 @@ def main(argv=None) -> int:
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
         cuda=torch.version.cuda, python=platform.python_version(), commit=a.commit or git_commit(),
         date=datetime.date.today().isoformat(), command=" ".join([Path(sys.executable).name, *sys.argv]),
-        world_size=world, as_world_size=as_world,
+        world_size=world, as_world_size=as_world, as_rank=a.as_rank if emulated else None, collectives=collectives,
+        rank_work=rank_work(trainer.muon, trainer.adam),
         data="synthetic document-structured tokens (log-normal lengths, median 600)",
         train_flags=a.train_flags, runtime=runtime_record(trainer.runtime), kernels=args.kernels,
         fused=trainer.runtime.fused, matmul_params=n_params, bf16_peak_tflops=peak / 1e12, fp8=trainer.runtime.fp8)

@@ -1,0 +1,110 @@
+"""bench.py --as-world-size 8 on one process: rank r of 8 through torch's fake process group. One training step
+there updates exactly what rank r of a real 8-process run (gloo) updates, for every r, and every rank's optimizer
+shard has the same shapes: the emulation times a rank of the 8-GPU run, and any rank times them all."""
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train_gpt as tg
+from dist_utils import runtime_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench  # noqa: E402
+
+WORLD = 8
+# large learning rates: every update shows, in the bf16 gates too
+FLAGS = ["--smoke", "--device", "cpu", "--seed", "0", "--model-dim", "32", "--num-heads", "2", "--head-dim", "16",
+         "--muon-lr", "2", "--adam-lr", "1"]
+
+
+class Done:
+    def wait(self):
+        pass
+
+
+def one_step_updates(rank: int, world_size: int) -> dict:
+    """In a process that is rank `rank` of `world_size` (a real or a fake group): one step of the record's model at
+    width 32 on the same micro-batch on every rank, with the optimizers' all-gathers left out, so that each rank's
+    parameters change only where its optimizer shard updated them. Returns {name: rows that changed} and the
+    rank's work (bench.rank_work)."""
+    torch.set_num_threads(1)
+    args = tg.parse_args(FLAGS)
+    runtime = dataclasses.replace(runtime_for(args), world_size=world_size, rank=rank, grad_accum_steps=1)
+    model, adam, muon = tg.build_model_and_optimizers(args, runtime)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # every parameter non-zero, the same on every rank
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).mul(0.02).to(p.dtype))
+    real_all_gather, tg.all_gather = tg.all_gather, lambda out, inp, async_op=False: Done()
+    try:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        T = 64
+        x = torch.randint(0, 50257, (T,), generator=g, dtype=torch.int32)
+        y = torch.randint(0, 50257, (T,), generator=g)
+        cu = torch.tensor([0, T] + [T] * (tg.max_num_docs_for(T) - 2), dtype=torch.int32)
+        adam.should_sync = True
+        model(x, y, cu, 1, 3, T).backward()
+        adam.should_sync = False
+        adam.step()
+        muon.step()
+    finally:
+        tg.all_gather = real_all_gather
+    changed = {n: torch.nonzero((p.detach() != before[n]).reshape(max(p.shape[0], 1) if p.dim() else 1, -1).any(1))
+               .flatten().tolist() for n, p in model.named_parameters()}
+    return dict(changed={n: rows for n, rows in changed.items() if rows}, work=bench.rank_work(muon, adam))
+
+
+def emulated(rank: int) -> dict:
+    bench.emulate_rank(rank, WORLD)
+    try:
+        return one_step_updates(rank, WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def real_ranks():
+    from dist_utils import run_gloo
+    return run_gloo(one_step_updates, WORLD)
+
+
+@pytest.fixture(scope="module")
+def emulated_ranks():
+    return [emulated(rank) for rank in range(WORLD)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_one_process_as_rank_r_of_8_updates_exactly_what_rank_r_of_a_real_8_process_run_updates(real_ranks,
+                                                                                            emulated_ranks, rank):
+    assert emulated_ranks[rank]["changed"] == real_ranks[rank]["changed"]
+    assert emulated_ranks[rank]["work"] == real_ranks[rank]["work"]
+
+
+def test_the_emulated_ranks_share_normuons_matrices_out_each_to_exactly_one_rank(emulated_ranks):
+    args = tg.parse_args(FLAGS)
+    matrices = {n for n, p in tg.GPT(args, 64).named_parameters() if p.treatment != "adam"}
+    owners = {n: [r for r, e in enumerate(emulated_ranks) if n in e["changed"]] for n in matrices}
+    assert {n: rs for n, rs in owners.items() if len(rs) != 1} == {}
+    assert len({r for rs in owners.values() for r in rs}) > 1
+
+
+def test_every_rank_of_8_has_an_optimizer_shard_of_the_same_shapes():
+    works = []
+    for rank in range(WORLD):
+        bench.emulate_rank(rank, WORLD)
+        try:
+            args = tg.parse_args(FLAGS)
+            runtime = dataclasses.replace(runtime_for(args), world_size=WORLD, rank=rank, grad_accum_steps=1)
+            _, adam, muon = tg.build_model_and_optimizers(args, runtime)
+            works.append(bench.rank_work(muon, adam))
+        finally:
+            dist.destroy_process_group()
+    assert all(w == works[0] for w in works)
+    shards = dict((label, (n, *shape)) for label, n, *shape in works[0]["normuon"])
+    assert sum(n for n, *_ in shards.values()) * WORLD >= 32 + 10 + 1  # the 32 large matrices, 10 gates, smear
+    assert ("scalars", 8) in [(label, rows) for label, rows, *_ in works[0]["distadam"]]  # 62 scalars: 8 a rank
