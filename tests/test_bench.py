@@ -287,3 +287,38 @@ def test_the_8_gpu_model_adds_to_an_eighth_of_one_gpus_step_the_idle_time_and_th
     assert p["rank_step_total_s"] == pytest.approx((707 * 30 + 707 * 50 + 706 * 70 + 40 * 70) / 1000)
     files["rank"].write_text(json.dumps(dict(rank, as_world_size=1)))
     assert predict_8gpu.main(argv) == 2
+
+
+def test_the_rank_method_takes_the_slowest_emulated_rank_and_adds_the_exposed_w8_collectives(tmp_path):
+    import json
+    import predict_8gpu
+    names = [s.name for s in tg.stages(tg.Hyperparameters())]
+    files = {}
+
+    def write(name, content):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(content))
+        return str(files[name])
+
+    for rank, ms in ((0, (24.2, 45.9, 68.4, 68.6)), (7, (23.4, 46.3, 65.3, 65.6))):
+        write(f"rank{rank}", dict(world_size=1, as_world_size=8, as_rank=rank, device="H200", commit="abc1234",
+                                  stages=[dict(name=n, median_ms=m) for n, m in zip(names, ms)]))
+    timeline = dict(communication_busy_ms=4.0, communication_exposed_ms=1.0)
+    write("exposure", dict(world_size=2, as_world_size=8, device="H200", commit="def5678",
+                           stages=[dict(name=n, timeline=timeline) for n in names]))
+    write("nccl", dict(for_world_size=8, per_step_ms_at_target=8.0))
+    write("w1", dict(world_size=1, as_world_size=1, stages=[dict(name=n, median_ms=ms)
+                                                            for n, ms in zip(names, (200, 400, 600, 608))]))
+    argv = ["--rank-bench", str(files["rank0"]), str(files["rank7"]), "--exposure", str(files["exposure"]),
+            "--nccl", str(files["nccl"]), "--w1-bench", str(files["w1"]), "--out", str(tmp_path / "p.json")]
+    assert predict_8gpu.main(argv) == 0
+    p = json.loads((tmp_path / "p.json").read_text())
+    # per stage the slower rank (0, 7, 0, 0) + 8 ms of W=8 collectives x the quarter left exposed
+    assert [r["slowest_rank"] for r in p["stages"]] == [0, 7, 0, 0]
+    assert [r["predicted_ms"] for r in p["stages"]] == pytest.approx([26.2, 48.3, 70.4, 70.6])
+    assert [r["one_gpu_step_over_8_ms"] for r in p["stages"]] == [25.0, 50.0, 75.0, 76.0]
+    assert p["predicted_total_s"] == pytest.approx((707 * 26.2 + 707 * 48.3 + 706 * 70.4 + 40 * 70.6) / 1000)
+    assert p["inputs"]["exposure"]["commit"] == "def5678" and [r["as_rank"] for r in p["inputs"]["ranks"]] == [0, 7]
+    # emulated ranks need the exposure of a run on several GPUs; a rank given twice is refused
+    assert predict_8gpu.main([a for a in argv if a not in ("--exposure", str(files["exposure"]))]) == 2
+    assert predict_8gpu.main(["--rank-bench", str(files["rank0"]), str(files["rank0"]), *argv[3:]]) == 2

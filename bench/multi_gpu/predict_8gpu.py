@@ -4,6 +4,15 @@ time to the last step, beside the record's own 8xH100 log.
     python bench/multi_gpu/predict_8gpu.py --rank-bench RANK8.json --w1-bench W1.json --nccl NCCL.json \
         [--out PREDICTION.json]
 
+    python bench/multi_gpu/predict_8gpu.py --rank-bench RANK0.json RANK7.json ... --exposure RANK8_W2.json \
+        --nccl NCCL.json [--w1-bench W1.json] [--out PREDICTION.json]
+
+Two methods, by what --rank-bench holds:
+  ranks of 8 emulated on one GPU (bench.py --as-world-size 8 [--as-rank R] on one process): per stage, the slowest
+      of the given ranks' own step (its micro-batch and its optimizer shard, its idle time included) + the W=8
+      collectives the step leaves exposed: their time at W=8 (--nccl) x the exposed share that a rank of 8 run on
+      several GPUs measured (--exposure, a torchrun bench with its GPU timeline). The one-GPU step / 8 is shown beside.
+  ranks run under torchrun on K = 2 or 4 GPUs (the earlier method, below).
 Inputs (result JSONs, so the model is rerun, not retyped):
   --rank-bench  bench/bench.py run as ranks of an 8-GPU run (torchrun --nproc_per_node=K bench/bench.py --stages-only
                 --as-world-size 8, K = 2 or 4): per stage, a rank that runs the 8-GPU run's one micro-batch per step,
@@ -89,6 +98,62 @@ def predict(rank: dict, w1: dict, nccl: dict, record_ms: dict, record_total_s: f
                         for name, j in (("rank_bench", rank), ("w1_bench", w1), ("nccl", nccl))})
 
 
+def predict_from_ranks(ranks: list, exposure: dict, nccl: dict, record_ms: dict, record_total_s: float,
+                       args: tg.Hyperparameters, w1: dict = None) -> dict:
+    """The rank method: per stage the slowest emulated rank's step + the W=8 collectives x the exposed share."""
+    comm_w8 = nccl["per_step_ms_at_target"]
+    shared = {stage["name"]: stage["timeline"] for stage in exposure["stages"]}
+    one_gpu = {stage["name"]: stage["median_ms"] for stage in w1["stages"]} if w1 else {}
+    rows = []
+    for stage in ranks[0]["stages"]:
+        name = stage["name"]
+        steps = {r["as_rank"]: next(s["median_ms"] for s in r["stages"] if s["name"] == name) for r in ranks}
+        slowest = max(steps, key=steps.get)
+        t = shared[name]
+        exposed_share = t["communication_exposed_ms"] / t["communication_busy_ms"] if t["communication_busy_ms"] else 0
+        predicted = steps[slowest] + comm_w8 * exposed_share
+        ref = record_ms.get(name)
+        rows.append(dict(stage=name, rank_steps_ms={str(r): ms for r, ms in sorted(steps.items())},
+                         slowest_rank=slowest, rank_step_ms=steps[slowest], exposed_share=exposed_share,
+                         communication_ms_w8=comm_w8, communication_exposed_ms_w8=comm_w8 * exposed_share,
+                         one_gpu_step_over_8_ms=one_gpu[name] / 8 if name in one_gpu else None,
+                         predicted_ms=predicted, record_ms=ref, ratio=predicted / ref if ref else None))
+    steps_per_stage = {}
+    for step in range(args.num_iterations):
+        name = tg.stage_at(step, args).name
+        steps_per_stage[name] = steps_per_stage.get(name, 0) + 1
+    by_name = {r["stage"]: r for r in rows}
+    total_s = sum(n * by_name[name]["predicted_ms"] for name, n in steps_per_stage.items()) / 1000
+    source = lambda j: dict(device=j.get("device"), commit=j.get("commit"), date=j.get("date"),
+                            world_size=j.get("world_size"), as_world_size=j.get("as_world_size"),
+                            as_rank=j.get("as_rank"))
+    return dict(method="rank: the slowest emulated rank's step + the W=8 collectives x the exposed share",
+                stages=rows, steps_per_stage=steps_per_stage, predicted_total_s=total_s,
+                record_total_s=record_total_s, total_ratio=total_s / record_total_s,
+                inputs=dict(ranks=[source(r) for r in ranks], exposure=source(exposure), nccl=source(nccl),
+                            w1_bench=source(w1) if w1 else None))
+
+
+def rank_table(p: dict) -> str:
+    lines = [f"{'stage':<10} {'slowest':>8} {'of ranks':>9} {'1 GPU/8':>8} {'comm W8':>8} {'exposed':>8} "
+             f"{'predicted':>9} {'record':>7} {'x record':>8}"]
+    for r in p["stages"]:
+        ref = f"{r['record_ms']:.1f}" if r["record_ms"] else ""
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] else ""
+        over8 = f"{r['one_gpu_step_over_8_ms']:.1f}" if r["one_gpu_step_over_8_ms"] else ""
+        lines.append(f"{r['stage']:<10} {r['rank_step_ms']:>8.1f} {','.join(r['rank_steps_ms']):>9} {over8:>8} "
+                     f"{r['communication_ms_w8']:>8.2f} {r['communication_exposed_ms_w8']:>8.2f} "
+                     f"{r['predicted_ms']:>9.1f} {ref:>7} {ratio:>8}")
+    src = p["inputs"]
+    lines.append(f"time to step {sum(p['steps_per_stage'].values())}: predicted {p['predicted_total_s']:.1f} s, "
+                 f"the record {p['record_total_s']:.1f} s ({p['total_ratio']:.3f}x)")
+    lines.append(f"inputs: ranks {', '.join(str(r['as_rank']) for r in src['ranks'])} on {src['ranks'][0]['device']} "
+                 f"at {src['ranks'][0]['commit']}; exposed share from W={src['exposure']['world_size']} on "
+                 f"{src['exposure']['device']} at {src['exposure']['commit']}; collectives' time from "
+                 f"{src['nccl']['device']} at {src['nccl']['commit']}")
+    return "\n".join(lines)
+
+
 def table(p: dict) -> str:
     rank = f"W={p['rank_world_size']} rank"
     lines = [f"{'stage':<10} {rank:>8} {'host %':>7} {'1 GPU/8':>8} {'idle':>5} {'comm W8':>8} {'exp W8':>7} "
@@ -107,19 +172,35 @@ def table(p: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rank-bench", required=True, help="bench.py JSON of ranks run --as-world-size 8 (torchrun)")
-    ap.add_argument("--w1-bench", required=True, help="bench.py JSON of one GPU (its stage times)")
+    ap.add_argument("--rank-bench", required=True, nargs="+",
+                    help="bench.py JSON(s) of ranks of 8: emulated on one GPU (one or more ranks), or one torchrun run")
+    ap.add_argument("--w1-bench", help="bench.py JSON of one GPU (its stage times); needed by the torchrun method")
+    ap.add_argument("--exposure", help="bench.py JSON of ranks of 8 under torchrun (its GPU timeline): the exposed "
+                                       "share of the collectives; needed by the emulated ranks")
     ap.add_argument("--nccl", required=True, help="nccl_bandwidth.py JSON (--for-world-size 8)")
     ap.add_argument("--record-logs", default=str(RECORD_LOGS), help="folder of the record's 8xH100 logs")
     ap.add_argument("--out", help="write the prediction as JSON here too")
     a = ap.parse_args(argv)
     try:
-        rank, w1, nccl = (json.loads(Path(f).read_text()) for f in (a.rank_bench, a.w1_bench, a.nccl))
+        ranks = [json.loads(Path(f).read_text()) for f in a.rank_bench]
+        nccl = json.loads(Path(a.nccl).read_text())
+        w1 = json.loads(Path(a.w1_bench).read_text()) if a.w1_bench else None
+        exposure = json.loads(Path(a.exposure).read_text()) if a.exposure else None
         logs = sorted(Path(a.record_logs).glob("*.txt"))
-        if rank.get("as_world_size") != 8 or rank.get("world_size", 1) < 2 or nccl.get("for_world_size") != 8 \
-                or w1.get("world_size", 1) != 1 or w1.get("as_world_size", 1) != 1:
-            raise ValueError("--rank-bench must come from bench.py --as-world-size 8 under torchrun, --w1-bench from "
-                             "bench.py on one GPU, --nccl from nccl_bandwidth.py --for-world-size 8")
+        emulated = all(r.get("world_size", 1) == 1 and r.get("as_world_size") == 8 and r.get("as_rank") is not None
+                       for r in ranks)
+        if nccl.get("for_world_size") != 8:
+            raise ValueError("--nccl must come from nccl_bandwidth.py --for-world-size 8")
+        if w1 is not None and (w1.get("world_size", 1) != 1 or w1.get("as_world_size", 1) != 1):
+            raise ValueError("--w1-bench must come from bench.py on one GPU")
+        if emulated:
+            if exposure is None or exposure.get("world_size", 1) < 2 or exposure.get("as_world_size") != 8:
+                raise ValueError("emulated ranks need --exposure: bench.py --as-world-size 8 under torchrun")
+            if len({r["as_rank"] for r in ranks}) != len(ranks):
+                raise ValueError("--rank-bench names one rank twice: give each rank once")
+        elif len(ranks) != 1 or ranks[0].get("as_world_size") != 8 or ranks[0].get("world_size", 1) < 2 or w1 is None:
+            raise ValueError("--rank-bench must come from bench.py --as-world-size 8, on one GPU per rank (--as-rank) "
+                             "or under torchrun with --w1-bench from bench.py on one GPU")
         if not logs:
             raise ValueError(f"no record logs (*.txt) in {a.record_logs}")
         args = tg.Hyperparameters()
@@ -127,8 +208,12 @@ def main(argv=None) -> int:
     except (OSError, ValueError, KeyError, compare.LogError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    p = predict(rank, w1, nccl, record_ms, record_total, args)
-    print(table(p))
+    if emulated:
+        p = predict_from_ranks(ranks, exposure, nccl, record_ms, record_total, args, w1)
+        print(rank_table(p))
+    else:
+        p = predict(ranks[0], w1, nccl, record_ms, record_total, args)
+        print(table(p))
     if a.out:
         Path(a.out).write_text(json.dumps(p, indent=1))
     return 0
