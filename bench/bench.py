@@ -8,8 +8,9 @@ real run's), on one GPU or under torchrun (rank 0 writes). --as-world-size K run
 of a K-GPU run (8: one micro-batch per rank and step, of a 1/8 of the batch), so two GPUs time what a rank of the
 8-GPU speedrun does, its collectives excepted (they are the W ranks' here). On one process, --as-world-size K
 [--as-rank R] runs exactly what rank R of a K-GPU run computes: its micro-batch and its optimizer shard (NorMuon's
-matrices and gates, DistAdam's rows), the collectives through torch's fake process group (no data crosses GPUs);
-every rank's shard has the same shapes (tests/test_bench.py), so any R times them all. Measures, in this order:
+matrices and gates, DistAdam's rows), the collectives through torch's fake process group (no data crosses GPUs).
+Ranks differ in the gates they update (rank 0: the smear gate and two attention gates; ranks 5-7: none) and in
+their documents: time several R and take the slowest, as predict_8gpu.py does. Measures, in this order:
   * cold start: process start -> end of the kernel warm-up (every train and eval graph compiled), i.e. the moment
     the real script starts its timed loop; with --cached-start a second process measures it again with the
     Inductor/Triton caches this one left behind. `-- --compile-cache FILE` loads the trainer's portable bundle first
@@ -555,16 +556,17 @@ def emulate_rank(rank: int, world_size: int) -> str:
 
 
 def rank_work(muon, adam) -> dict:
-    """What this rank's optimizers update, read off the optimizers themselves: per NorMuon group the shape of its
-    shard (ceil(group / W) matrices, zero padding included), per DistAdam parameter its rows. Ranks whose dicts are
-    equal do equal work."""
+    """What this rank's optimizers update, read off the optimizers themselves: per NorMuon group the matrices of its
+    shard that hold parameters (the zero padding of a group is not updated) and their shape, per DistAdam parameter
+    its rows (padding included: every rank updates as many)."""
     rows = []
     for group in adam.param_groups:
         for p in group["params"]:
             lo, hi = adam._slice_rows(p)
             rows.append((p.label, hi - lo, *p.shape[1:]))
-    shards = [(group["label"], *layout["shard"].shape) for group, layout in zip(muon.param_groups, muon._layout)]
-    return dict(normuon=shards, distadam=rows)
+    matrices = [(group["label"], layout["hi"] - layout["lo"], *layout["params"].shape[1:])
+                for group, layout in zip(muon.param_groups, muon._layout)]
+    return dict(normuon=matrices, distadam=rows)
 
 
 def bench_args(data_dir: Path, seed: int, train_flags=()) -> tg.Hyperparameters:
