@@ -445,6 +445,42 @@ def measure_optimizers(trainer, args, repeats: int = 20) -> dict:
     return dict(normuon_ms=muon_ms, distadam_ms=adam_ms, repeats=repeats)
 
 
+def polar_flops(matrices: int, rows: int, cols: int, iterations: int) -> float:
+    """FLOPs of the orthogonalizer on `matrices` (rows, cols) matrices, each in its wide orientation (m <= k): per
+    iteration the Gram A = X Xᵀ (2 m² k), B = b·A + c·A·A (2 m³) and X <- a·X + B·X (2 m² k), every product counted
+    whole (the symmetric kernels compute all tiles). Elementwise passes are left out."""
+    m, k = min(rows, cols), max(rows, cols)
+    return matrices * iterations * (4.0 * m * m * k + 2.0 * m ** 3)
+
+
+def measure_normuon_groups(muon, peak_flops: float, repeats: int = 10) -> dict:
+    """This rank's NorMuon update, group by group, as GPU time: the kernels of `repeats` calls of the group's
+    shard update (momentum, orthogonalizer, second moment, cautious update; no collectives) summed from a profile,
+    per call; beside it the orthogonalizer's FLOPs and their time at the bf16 peak measured in this run."""
+    iterations = len(tg.TURBO_MUON_COEFFS if muon.turbo else tg.POLAR_EXPRESS_COEFFS)
+    out, total = {}, 0.0
+    for group, layout in zip(muon.param_groups, muon._layout):
+        n = layout["hi"] - layout["lo"]
+        if n == 0:
+            continue
+        grads = layout["shard"][:n]
+        rows, cols = grads.shape[-2:]
+        matrices, rows = (4 * n, rows // 4) if layout["is_attn"] else (n, rows)
+        snapshot = [p.detach().clone() for p in group["params"][layout["lo"]:layout["hi"]]]
+        muon._update_shard(group, layout, grads)  # its buffers made, outside the profile
+        prof = profile_of(lambda: [muon._update_shard(group, layout, grads) for _ in range(repeats)])
+        with torch.no_grad():  # the timing left the weights as they were
+            for p, saved in zip(group["params"][layout["lo"]:layout["hi"]], snapshot):
+                p.copy_(saved)
+        ms = sum(b - a for _, a, b in profile_kernels(prof)) / repeats
+        flops = polar_flops(matrices, rows, cols, iterations)
+        out[group["label"]] = dict(matrices=matrices, shape=[rows, cols], gpu_ms=ms, orthogonalizer_flops=flops,
+                                   flop_time_ms=1e3 * flops / peak_flops, ratio=ms / (1e3 * flops / peak_flops))
+        total += ms
+    return dict(groups=out, gpu_ms=total, repeats=repeats, iterations=iterations,
+                flops_counted="the orthogonalizer's three products per iteration, whole; elementwise passes not")
+
+
 def measure_orthogonalizer(muon, svd_matrices: int = 4) -> dict:
     import triton.testing
     results = {}
@@ -725,6 +761,11 @@ def main(argv=None) -> int:
     write(json.dumps(result, indent=1))  # partial results survive a later failure
     if not a.stages_only:
         result["optimizers"] = measure_optimizers(trainer, args)
+        result["normuon_groups"] = measure_normuon_groups(trainer.muon, peak)
+        say("NorMuon per group (GPU ms; orthogonalizer FLOP time at the peak): " + ", ".join(
+            f"{label} {g['gpu_ms']:.3f} ({g['flop_time_ms']:.3f})" for label, g in
+            result["normuon_groups"]["groups"].items()) + f"; {result['normuon_groups']['gpu_ms']:.3f} ms in all",
+            flush=True)
         result["orthogonalizer"] = measure_orthogonalizer(trainer.muon)
         write(json.dumps(result, indent=1))
         profile_path = out.with_name(out.stem + "_profile.txt")

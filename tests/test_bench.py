@@ -319,6 +319,22 @@ def test_the_rank_method_takes_the_slowest_emulated_rank_and_adds_the_exposed_w8
     assert [r["one_gpu_step_over_8_ms"] for r in p["stages"]] == [25.0, 50.0, 75.0, 76.0]
     assert p["predicted_total_s"] == pytest.approx((707 * 26.2 + 707 * 48.3 + 706 * 70.4 + 40 * 70.6) / 1000)
     assert p["inputs"]["exposure"]["commit"] == "def5678" and [r["as_rank"] for r in p["inputs"]["ranks"]] == [0, 7]
-    # emulated ranks need the exposure of a run on several GPUs; a rank given twice is refused
+    # emulated ranks need the exposure of a run on several GPUs
     assert predict_8gpu.main([a for a in argv if a not in ("--exposure", str(files["exposure"]))]) == 2
-    assert predict_8gpu.main(["--rank-bench", str(files["rank0"]), str(files["rank0"]), *argv[3:]]) == 2
+    # a rank run several times counts as the median of its runs
+    write("rank7b", dict(json.loads(files["rank7"].read_text()), stages=[dict(name=n, median_ms=m) for n, m in
+                                                                         zip(names, (23.0, 46.9, 65.1, 65.6))]))
+    write("rank7c", dict(json.loads(files["rank7"].read_text()), stages=[dict(name=n, median_ms=m) for n, m in
+                                                                         zip(names, (23.2, 46.5, 65.2, 65.6))]))
+    assert predict_8gpu.main(["--rank-bench", str(files["rank0"]), str(files["rank7"]), str(files["rank7b"]),
+                              str(files["rank7c"]), *argv[3:]]) == 0
+    p = json.loads((tmp_path / "p.json").read_text())
+    assert p["stages"][1]["rank_steps_ms"] == {"0": 45.9, "7": 46.5} and p["stages"][1]["slowest_rank"] == 7
+
+
+def test_the_orthogonalizers_flops_count_its_three_products_per_iteration_in_the_wide_orientation():
+    # per iteration X Xᵀ and B·X (2 m² k each) and A·A (2 m³), m the short side
+    assert bench.polar_flops(1, 768, 768, 5) == 5 * 6 * 768 ** 3
+    assert bench.polar_flops(2, 3072, 768, 5) == bench.polar_flops(2, 768, 3072, 5) == 2 * 5 * (4 * 768 ** 2 * 3072
+                                                                                                + 2 * 768 ** 3)
+    assert bench.polar_flops(10, 6, 12, 4) == 10 * 4 * (4 * 36 * 12 + 2 * 216)

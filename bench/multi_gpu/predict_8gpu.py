@@ -9,7 +9,7 @@ time to the last step, beside the record's own 8xH100 log.
 
 Two methods, by what --rank-bench holds:
   ranks of 8 emulated on one GPU (bench.py --as-world-size 8 [--as-rank R] on one process): per stage, the slowest
-      of the given ranks' own step (its micro-batch and its optimizer shard, its idle time included) + the W=8
+      of the given ranks' own step (a rank given several times: the median of its runs) (its micro-batch and its optimizer shard, its idle time included) + the W=8
       collectives the step leaves exposed: their time at W=8 (--nccl) x the exposed share that a rank of 8 run on
       several GPUs measured (--exposure, a torchrun bench with its GPU timeline). The one-GPU step / 8 is shown beside.
   ranks run under torchrun on K = 2 or 4 GPUs (the earlier method, below).
@@ -107,7 +107,10 @@ def predict_from_ranks(ranks: list, exposure: dict, nccl: dict, record_ms: dict,
     rows = []
     for stage in ranks[0]["stages"]:
         name = stage["name"]
-        steps = {r["as_rank"]: next(s["median_ms"] for s in r["stages"] if s["name"] == name) for r in ranks}
+        runs = {}  # rank -> its runs' median ms at this stage
+        for r in ranks:
+            runs.setdefault(r["as_rank"], []).append(next(s["median_ms"] for s in r["stages"] if s["name"] == name))
+        steps = {rank: statistics.median(ms) for rank, ms in runs.items()}  # a rank run several times: the median
         slowest = max(steps, key=steps.get)
         t = shared[name]
         exposed_share = t["communication_exposed_ms"] / t["communication_busy_ms"] if t["communication_busy_ms"] else 0
@@ -196,8 +199,6 @@ def main(argv=None) -> int:
         if emulated:
             if exposure is None or exposure.get("world_size", 1) < 2 or exposure.get("as_world_size") != 8:
                 raise ValueError("emulated ranks need --exposure: bench.py --as-world-size 8 under torchrun")
-            if len({r["as_rank"] for r in ranks}) != len(ranks):
-                raise ValueError("--rank-bench names one rank twice: give each rank once")
         elif len(ranks) != 1 or ranks[0].get("as_world_size") != 8 or ranks[0].get("world_size", 1) < 2 or w1 is None:
             raise ValueError("--rank-bench must come from bench.py --as-world-size 8, on one GPU per rank (--as-rank) "
                              "or under torchrun with --w1-bench from bench.py on one GPU")
