@@ -453,6 +453,7 @@ def polar_flops(matrices: int, rows: int, cols: int, iterations: int) -> float:
     return matrices * iterations * (4.0 * m * m * k + 2.0 * m ** 3)
 
 
+@torch.no_grad()  # as NorMuon.step
 def measure_normuon_groups(muon, peak_flops: float, repeats: int = 10) -> dict:
     """This rank's NorMuon update, group by group, as GPU time: the kernels of `repeats` calls of the group's
     shard update (momentum, orthogonalizer, second moment, cautious update; no collectives) summed from a profile,
@@ -469,9 +470,8 @@ def measure_normuon_groups(muon, peak_flops: float, repeats: int = 10) -> dict:
         snapshot = [p.detach().clone() for p in group["params"][layout["lo"]:layout["hi"]]]
         muon._update_shard(group, layout, grads)  # its buffers made, outside the profile
         prof = profile_of(lambda: [muon._update_shard(group, layout, grads) for _ in range(repeats)])
-        with torch.no_grad():  # the timing left the weights as they were
-            for p, saved in zip(group["params"][layout["lo"]:layout["hi"]], snapshot):
-                p.copy_(saved)
+        for p, saved in zip(group["params"][layout["lo"]:layout["hi"]], snapshot):  # the weights as they were
+            p.copy_(saved)
         ms = sum(b - a for _, a, b in profile_kernels(prof)) / repeats
         flops = polar_flops(matrices, rows, cols, iterations)
         out[group["label"]] = dict(matrices=matrices, shape=[rows, cols], gpu_ms=ms, orthogonalizer_flops=flops,

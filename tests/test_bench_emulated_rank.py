@@ -104,3 +104,30 @@ def test_the_ranks_of_8_split_normuons_groups_and_distadams_rows_as_the_record_d
     assert all(r == rows[0] for r in rows)
     expected = [("lm_head", 6288), ("scalars", 8)] + [("value_embed", 6288)] * 3 + [("embed", 6288)]
     assert [(label, n) for label, n, *_ in rows[0]] == expected
+
+
+def test_normuons_per_group_timing_reports_the_groups_this_rank_updates_and_leaves_the_weights_as_they_were(
+        monkeypatch):
+    """bench.measure_normuon_groups on rank 7 of 8 (no gates there): the two groups of 3072x768 matrices, each with
+    its orthogonalizer's FLOPs; the profile stands in for the GPU (one 1 ms kernel per update)."""
+    calls = []
+    monkeypatch.setattr(bench, "profile_of", lambda fn: calls.append(fn()) or "profile")
+    monkeypatch.setattr(bench, "profile_kernels", lambda prof: [("kernel", 0.0, 1.0)] * 10)
+    bench.emulate_rank(7, WORLD)
+    try:
+        args = tg.parse_args(FLAGS)
+        runtime = dataclasses.replace(runtime_for(args), world_size=WORLD, rank=7, grad_accum_steps=1)
+        model, adam, muon = tg.build_model_and_optimizers(args, runtime)
+        for layout in muon._layout:
+            layout["shard"].normal_()
+        before = [p.detach().clone() for p in model.parameters()]
+        result = bench.measure_normuon_groups(muon, peak_flops=1e12, repeats=10)
+    finally:
+        dist.destroy_process_group()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert set(result["groups"]) == {"attn+mlp", "mlp"} and len(calls) == 2
+    mlp = result["groups"]["mlp"]
+    assert mlp["matrices"] == 2 and mlp["shape"] == [128, 32] and mlp["gpu_ms"] == 1.0
+    assert mlp["orthogonalizer_flops"] == bench.polar_flops(2, 128, 32, 5)
+    assert mlp["flop_time_ms"] == pytest.approx(1e3 * mlp["orthogonalizer_flops"] / 1e12)
+    assert result["gpu_ms"] == 2.0
