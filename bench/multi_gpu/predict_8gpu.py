@@ -9,9 +9,10 @@ time to the last step, beside the record's own 8xH100 log.
 
 Two methods, by what --rank-bench holds:
   ranks of 8 emulated on one GPU (bench.py --as-world-size 8 [--as-rank R] on one process): per stage, the slowest
-      of the given ranks' own step (a rank given several times: the median of its runs) (its micro-batch and its optimizer shard, its idle time included) + the W=8
-      collectives the step leaves exposed: their time at W=8 (--nccl) x the exposed share that a rank of 8 run on
-      several GPUs measured (--exposure, a torchrun bench with its GPU timeline). The one-GPU step / 8 is shown beside.
+      of the given ranks' own step (its micro-batch and its optimizer shard, its idle time included; a rank given
+      several times: the median of its runs) + the W=8 collectives the step leaves exposed: their time at W=8
+      (--nccl) x the exposed share that a rank of 8 run on several GPUs measured (--exposure, a torchrun bench with
+      its GPU timeline). The one-GPU step / 8 is shown beside.
   ranks run under torchrun on K = 2 or 4 GPUs (the earlier method, below).
 Inputs (result JSONs, so the model is rerun, not retyped):
   --rank-bench  bench/bench.py run as ranks of an 8-GPU run (torchrun --nproc_per_node=K bench/bench.py --stages-only
@@ -64,6 +65,32 @@ def record_stage_ms(logs: list, args: tg.Hyperparameters) -> tuple[dict, float]:
     return {name: statistics.median(ms) for name, ms in per_stage.items()}, statistics.fmean(totals)
 
 
+def exposed_share(timeline: dict) -> float:
+    """The share of a step's collectives (their busy time) that no compute hides."""
+    busy = timeline["communication_busy_ms"]
+    return timeline["communication_exposed_ms"] / busy if busy else 0
+
+
+def steps_per_stage(args: tg.Hyperparameters) -> dict:
+    steps = {}
+    for step in range(args.num_iterations):
+        name = tg.stage_at(step, args).name
+        steps[name] = steps.get(name, 0) + 1
+    return steps
+
+
+def total_s(rows: list, steps: dict, key: str) -> float:
+    """The run's time to its last step, in s, from each stage's ms per step under `key`."""
+    by_name = {r["stage"]: r for r in rows}
+    return sum(n * by_name[name][key] for name, n in steps.items()) / 1000
+
+
+def source(j: dict) -> dict:
+    """Where an input was measured."""
+    return dict(device=j.get("device"), commit=j.get("commit"), date=j.get("date"), world_size=j.get("world_size"),
+                as_world_size=j.get("as_world_size"))
+
+
 def predict(rank: dict, w1: dict, nccl: dict, record_ms: dict, record_total_s: float,
             args: tg.Hyperparameters) -> dict:
     comm_w8 = nccl["per_step_ms_at_target"]
@@ -71,31 +98,24 @@ def predict(rank: dict, w1: dict, nccl: dict, record_ms: dict, record_total_s: f
     rows = []
     for stage in rank["stages"]:
         t = stage["timeline"]
-        exposed_share = t["communication_exposed_ms"] / t["communication_busy_ms"] if t["communication_busy_ms"] else 0
+        share = exposed_share(t)
         compute = one_gpu[stage["name"]] / 8
-        predicted = compute + t["idle_ms"] + comm_w8 * exposed_share
+        predicted = compute + t["idle_ms"] + comm_w8 * share
         ref = record_ms.get(stage["name"])
         rows.append(dict(stage=stage["name"], one_gpu_step_ms=one_gpu[stage["name"]], rank_compute_ms=compute,
                          rank_idle_ms=t["idle_ms"], rank_step_ms=stage["median_ms"],
                          rank_host_ms=stage["host_ms"], host_share=stage["host_ms"] / stage["median_ms"],
                          rank_compute_beyond_one_gpu_ms=t["compute_busy_ms"] - compute,
                          communication_busy_ms_rank=t["communication_busy_ms"],
-                         communication_exposed_ms_rank=t["communication_exposed_ms"], exposed_share=exposed_share,
-                         communication_ms_w8=comm_w8, communication_exposed_ms_w8=comm_w8 * exposed_share,
+                         communication_exposed_ms_rank=t["communication_exposed_ms"], exposed_share=share,
+                         communication_ms_w8=comm_w8, communication_exposed_ms_w8=comm_w8 * share,
                          predicted_ms=predicted, record_ms=ref, ratio=predicted / ref if ref else None))
-    steps = {}
-    for step in range(args.num_iterations):
-        name = tg.stage_at(step, args).name
-        steps[name] = steps.get(name, 0) + 1
-    by_name = {r["stage"]: r for r in rows}
-    total_s = sum(n * by_name[name]["predicted_ms"] for name, n in steps.items()) / 1000
-    rank_total_s = sum(n * by_name[name]["rank_step_ms"] for name, n in steps.items()) / 1000
-    return dict(stages=rows, steps_per_stage=steps, predicted_total_s=total_s, record_total_s=record_total_s,
-                total_ratio=total_s / record_total_s, rank_world_size=rank.get("world_size"),
-                rank_step_total_s=rank_total_s,
-                inputs={name: dict(device=j.get("device"), commit=j.get("commit"), date=j.get("date"),
-                                   world_size=j.get("world_size"), as_world_size=j.get("as_world_size"))
-                        for name, j in (("rank_bench", rank), ("w1_bench", w1), ("nccl", nccl))})
+    steps = steps_per_stage(args)
+    total = total_s(rows, steps, "predicted_ms")
+    return dict(stages=rows, steps_per_stage=steps, predicted_total_s=total, record_total_s=record_total_s,
+                total_ratio=total / record_total_s, rank_world_size=rank.get("world_size"),
+                rank_step_total_s=total_s(rows, steps, "rank_step_ms"),
+                inputs={name: source(j) for name, j in (("rank_bench", rank), ("w1_bench", w1), ("nccl", nccl))})
 
 
 def predict_from_ranks(ranks: list, exposure: dict, nccl: dict, record_ms: dict, record_total_s: float,
@@ -112,29 +132,21 @@ def predict_from_ranks(ranks: list, exposure: dict, nccl: dict, record_ms: dict,
             runs.setdefault(r["as_rank"], []).append(next(s["median_ms"] for s in r["stages"] if s["name"] == name))
         steps = {rank: statistics.median(ms) for rank, ms in runs.items()}  # a rank run several times: the median
         slowest = max(steps, key=steps.get)
-        t = shared[name]
-        exposed_share = t["communication_exposed_ms"] / t["communication_busy_ms"] if t["communication_busy_ms"] else 0
-        predicted = steps[slowest] + comm_w8 * exposed_share
+        share = exposed_share(shared[name])
+        predicted = steps[slowest] + comm_w8 * share
         ref = record_ms.get(name)
         rows.append(dict(stage=name, rank_steps_ms={str(r): ms for r, ms in sorted(steps.items())},
-                         slowest_rank=slowest, rank_step_ms=steps[slowest], exposed_share=exposed_share,
-                         communication_ms_w8=comm_w8, communication_exposed_ms_w8=comm_w8 * exposed_share,
+                         slowest_rank=slowest, rank_step_ms=steps[slowest], exposed_share=share,
+                         communication_ms_w8=comm_w8, communication_exposed_ms_w8=comm_w8 * share,
                          one_gpu_step_over_8_ms=one_gpu[name] / 8 if name in one_gpu else None,
                          predicted_ms=predicted, record_ms=ref, ratio=predicted / ref if ref else None))
-    steps_per_stage = {}
-    for step in range(args.num_iterations):
-        name = tg.stage_at(step, args).name
-        steps_per_stage[name] = steps_per_stage.get(name, 0) + 1
-    by_name = {r["stage"]: r for r in rows}
-    total_s = sum(n * by_name[name]["predicted_ms"] for name, n in steps_per_stage.items()) / 1000
-    source = lambda j: dict(device=j.get("device"), commit=j.get("commit"), date=j.get("date"),
-                            world_size=j.get("world_size"), as_world_size=j.get("as_world_size"),
-                            as_rank=j.get("as_rank"))
+    steps = steps_per_stage(args)
+    total = total_s(rows, steps, "predicted_ms")
     return dict(method="rank: the slowest emulated rank's step + the W=8 collectives x the exposed share",
-                stages=rows, steps_per_stage=steps_per_stage, predicted_total_s=total_s,
-                record_total_s=record_total_s, total_ratio=total_s / record_total_s,
-                inputs=dict(ranks=[source(r) for r in ranks], exposure=source(exposure), nccl=source(nccl),
-                            w1_bench=source(w1) if w1 else None))
+                stages=rows, steps_per_stage=steps, predicted_total_s=total,
+                record_total_s=record_total_s, total_ratio=total / record_total_s,
+                inputs=dict(ranks=[dict(source(r), as_rank=r["as_rank"]) for r in ranks], exposure=source(exposure),
+                            nccl=source(nccl), w1_bench=source(w1) if w1 else None))
 
 
 def rank_table(p: dict) -> str:
