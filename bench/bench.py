@@ -683,8 +683,9 @@ def main(argv=None) -> int:
         emulated = world == 1 and as_world > 1  # one process as one rank of as_world: the batch is the real one
         if not 0 <= a.as_rank < as_world or (a.as_rank and not emulated):
             raise tg.ConfigError(f"--as-rank {a.as_rank}: give a rank below --as-world-size {as_world}, on one process")
-        args = as_world_size(bench_args(Path(a.data_dir), seed=1234, train_flags=a.train_flags),
-                             as_world if emulated else world, as_world)
+        args = bench_args(Path(a.data_dir), seed=1234, train_flags=a.train_flags)
+        if not emulated:  # W processes share out a rank's micro-batches: the global batch shrinks by W / as_world
+            args = as_world_size(args, world, as_world)
     except tg.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
