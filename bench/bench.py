@@ -315,10 +315,11 @@ def folder_mb(path: Path) -> float:
 
 
 def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profile_stages=(),
-                   profile_stem: Path = None, reference: dict = None) -> list:
+                   profile_stem: Path = None, reference: dict = None, master: bool = True) -> list:
     """Median step time per stage; with several processes also the GPU timeline of one profiled step; for the stage
     numbers in profile_stages, one profiled step written to <profile_stem>_stage<N>.txt (GPU busy/idle, top kernels,
-    host time by op). reference: ms per step of the record script per stage number, where comparable."""
+    host time by op). reference: ms per step of the record script per stage number, where comparable. master: this
+    process prints and writes (the first of several processes; one process, whichever rank it emulates)."""
     rt = trainer.runtime
     rows, step = [], 0
     for stage_no, stage in enumerate(tg.stages(args), start=1):  # the extension is number 4: no reference
@@ -339,7 +340,7 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
                 timeline = timeline_per_step(one_step)
             if stage_no in profile_stages:
                 text = profiled(one_step, f"bench: a stage-{stage_no} step ({name}), world size {rt.world_size}")
-                if rt.master:
+                if master:
                     Path(f"{profile_stem}_stage{stage_no}.txt").write_text(text)
         times = [w for w, _ in walls_hosts]
         allocated_gib = torch.cuda.max_memory_allocated() / 2 ** 30
@@ -361,7 +362,7 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
                          peak_in_use_gib=allocated_gib + pool_gib,
                          timeline=timeline,
                          reference_ms=(reference or {}).get(stage_no)))
-        if rt.master:
+        if master:
             exposed = f"; communication exposed {timeline['communication_exposed_ms']:.2f} ms" if timeline else ""
             print(f"{name}: {ms:.1f} ms/step (median of {len(times)}; host enqueue {host_ms:.1f} ms{exposed})",
                   flush=True)
@@ -749,7 +750,7 @@ def main(argv=None) -> int:
     profile_stages = tuple(int(n) for n in a.profile_stages.split(",") if n.strip())
     result["stages"] = measure_stages(trainer, args, a.steps, n_params, peak, profile_stages,
                                       out.with_name(out.stem + "_profile"),
-                                      REFERENCE_H100_MS if world == as_world == 1 else None)
+                                      REFERENCE_H100_MS if world == as_world == 1 else None, master=master)
     result["stage_profiles"] = [f"{out.stem}_profile_stage{n}.txt" for n in profile_stages]
     if world > 1:  # the timed steps' optimizers kept every rank's copy of the weights the same
         result["replicas_identical_after_timing"] = tg.replicas_identical(trainer.model)

@@ -713,3 +713,17 @@ def test_treatment_not_a_parameters_name_decides_how_normuon_normalises_it(small
     adam, muon = tg.build_optimizers(model, small_gpt_args)
     dims = {group["label"]: layout["reduce_dim"] for group, layout in zip(muon.param_groups, muon._layout)}
     assert dims["value_gate"] == -2 and dims["mixer"] == -1 and dims["attn_gate"] == -1
+
+
+@pytest.mark.parametrize("orthogonalizer", ["polar", "turbo"])
+@pytest.mark.parametrize("rank", [0, 7])
+def test_normuons_shard_update_on_a_rank_of_8_follows_its_float64_definition(rank, orthogonalizer):
+    """The float64 reference the GPU check holds the 8-GPU shard to (tests/normuon_reference.py) is NorMuon's own
+    math: on the CPU (fp32 throughout) the shard of ranks 0 and 7 follows it to rounding; the bf16 gates to their
+    own rounding."""
+    from normuon_reference import shard_update_errors
+    errors = shard_update_errors(rank, 8, orthogonalizer, ["--model-dim", "64", "--num-heads", "2", "--head-dim", "32"],
+                                 device="cpu", compiled=False)
+    assert set(errors) == ({"smear_gate", "attn_gate", "attn+mlp", "mlp"} if rank == 0 else {"attn+mlp", "mlp"})
+    for label, e in errors.items():
+        assert e["update_rel_err"] < (1e-4 if e["dtype"] == "torch.float32" else 2e-2), errors

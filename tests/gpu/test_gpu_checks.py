@@ -21,6 +21,8 @@ The shapes are a one-GPU run's stage-3 micro-batch (49,152 tokens of log-normal 
   * the orthogonalizer's Triton kernels against float64 products; Polar Express and Turbo-Muon (the Triton path,
     bf16) against the same iteration in float64 and against the SVD polar factor, on NorMuon's stacks of a
     one-GPU run and of an 8-GPU rank (shapes from bench/kernels/orthogonalizer_bench.py, which derives them)
+  * NorMuon's whole update on the shard of ranks 0 and 7 of 8 (one process through torch's fake process group),
+    compiled as in training, against the same steps in float64, Polar Express and Turbo-Muon
 Bounds sit about 1.5-3x above the errors measured on an H100 (bench/results/*gpu_checks*.json). Times are recorded,
 never asserted: speed is bench/'s job.
 """
@@ -613,3 +615,23 @@ def test_polar_express_and_turbo_muon_match_their_float64_iteration_and_the_pola
         assert r["sv_max"] < 1.2, (mode, row)         # measured <= 1.143
         if shape[-2] != shape[-1]:                     # square Gaussian matrices have near-zero singular values
             assert r["sv_min"] > 0.8, (mode, row)     # measured >= 0.857
+
+
+
+# ---- NorMuon at a rank of 8 -----------------------------------------------------------------------------------------
+
+NORMUON_SHARD_BOUND = {"torch.float32": 5e-2, "torch.bfloat16": 8e-2}  # the update's relative error, by param dtype
+
+
+@pytest.mark.parametrize("orthogonalizer", ["polar", "turbo"])
+@pytest.mark.parametrize("rank", [0, 7])
+def test_normuon_update_on_a_rank_of_8_matches_its_float64_steps(rank, orthogonalizer, gpu_results):
+    """Rank 0 of 8 updates a share of every group (the gates included), rank 7 only 3072x768 matrices. Three steps of
+    each group's shard update, compiled as in training (the orthogonalizer's tiles for a rank's few matrices), from
+    Gaussian gradients, against the same three steps in float64: the relative error of the parameters' change."""
+    from normuon_reference import shard_update_errors
+    row = gpu_results[f"normuon_rank{rank}_of_8_{orthogonalizer}"] = shard_update_errors(
+        rank, 8, orthogonalizer, flags=[], device="cuda", compiled=True)
+    assert set(row) == ({"smear_gate", "attn_gate", "attn+mlp", "mlp"} if rank == 0 else {"attn+mlp", "mlp"}), row
+    for label, r in row.items():
+        assert r["update_rel_err"] < NORMUON_SHARD_BOUND[r["dtype"]], row
