@@ -1098,7 +1098,6 @@ class NorMuon(torch.optim.Optimizer):
 
     def compile_helpers(self):
         """Route the per-shard math through torch.compile(dynamic=False) (CUDA); compilation happens on first use."""
-        sm_count()  # the kernels' tiles depend on it: asked here, not inside the compiled code
         self._orthogonalize_fn = torch.compile(polar_express, dynamic=False, fullgraph=True)
         self._second_moment_fn = torch.compile(normuon_second_moment, dynamic=False, fullgraph=True)
         self._cautious_update_fn = torch.compile(cautious_update, dynamic=False, fullgraph=True)
@@ -2644,31 +2643,15 @@ _SMEM_BUDGET = 160 * 1024    # H100/H200 have 227 KB per block; keep room for th
 def _pow2_at_least(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
-_SM_COUNT = None             # the GPU's streaming multiprocessors, read once (sm_count), outside torch.compile
-DEFAULT_SM_COUNT = 132       # an H100's or H200's, where no GPU is there to ask (the Triton interpreter)
-
-def sm_count() -> int:
-    global _SM_COUNT
-    if _SM_COUNT is None:
-        _SM_COUNT = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-                     if torch.cuda.is_available() else DEFAULT_SM_COUNT)
-    return _SM_COUNT
-
 def kernel_config(kind: str, n: int, m: int, k: int, dtype) -> dict:
     """Tiles and launch config of xxt ((n, m, k) -> (n, m, m)), ba_plus_cAA or ax_plus_bx ((n, m, m) x (n, m, k)):
-    128x128 tiles, BLOCK_K 64, 8 warps, 4 stages (3 for ax_plus_bx), smaller where a matrix or _SMEM_BUDGET is,
-    and 64x64 where 128x128 tiles would not give every SM one (a rank of 8 orthogonalizes two 3072x768 matrices:
-    their two 768x768 Grams are 42 lower tiles of 128, against 132 SMs)."""
+    128x128 tiles, BLOCK_K 64, 8 warps, 4 stages (3 for ax_plus_bx), smaller where a matrix or _SMEM_BUDGET is."""
     elsize = torch.empty((), dtype=dtype).element_size()
     sym = kind in ("xxt", "ba_plus_cAA")
     if kind == "ba_plus_cAA":
         k = m
     out_rows, out_cols, red = (m, m, k) if sym else (m, k, m)
-
-    def programs(tile: int) -> int:  # the programs that compute a tile (the symmetric kernels: the lower ones)
-        tr, tc = -(-out_rows // tile), -(-out_cols // tile)
-        return n * (tr * (tr + 1) // 2 if sym else tr * tc)
-    if min(out_rows, out_cols) >= 128 and programs(128) >= sm_count():
+    if min(out_rows, out_cols) >= 128:
         bm = bn = 128
     elif min(out_rows, out_cols) >= 64:
         bm = bn = 64

@@ -144,6 +144,18 @@ def timed_with_host(fn, repeats: int) -> list:
     return out
 
 
+def back_to_back_ms(fn, steps: int) -> float:
+    """ms per call of `steps` calls run as the trainer runs its steps, one synchronisation after the last: the host's
+    work before a step's first kernel (the next batch, the launches) overlaps the previous step's kernels, which a
+    synchronisation around every call (timed_with_host) exposes."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t) / steps
+
+
 def polar_factor(G: Tensor) -> Tensor:
     U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
     return U @ Vh
@@ -336,6 +348,7 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
         timeline = None
         with tg.no_compiles_allowed():
             walls_hosts = timed_with_host(one_step, steps + 2)[2:]  # the first two refill the loader's queue
+            back_to_back = back_to_back_ms(one_step, steps)
             if rt.world_size > 1:  # every rank profiles the same steps: their collectives pair up
                 timeline = timeline_per_step(one_step)
             if stage_no in profile_stages:
@@ -352,7 +365,7 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
                          micro_batches_per_rank=rt.grad_accum_steps,
                          tokens_per_micro_batch=tg.tokens_per_micro_batch(bs, rt.grad_accum_steps, rt.world_size),
                          median_ms=ms, mean_ms=statistics.fmean(times), min_ms=min(times), max_ms=max(times),
-                         host_ms=host_ms, host_share=host_ms / ms,
+                         host_ms=host_ms, host_share=host_ms / ms, back_to_back_ms=back_to_back,
                          tokens_per_s=bs / (ms / 1000), mfu=mfu(per_gpu, n_params, peak),
                          mfu_vs_798=mfu(per_gpu, n_params, REFERENCE_PEAK_TFLOPS * 1e12),
                          peak_allocated_gib=allocated_gib,
@@ -364,8 +377,8 @@ def measure_stages(trainer, args, steps: int, n_params: int, peak: float, profil
                          reference_ms=(reference or {}).get(stage_no)))
         if master:
             exposed = f"; communication exposed {timeline['communication_exposed_ms']:.2f} ms" if timeline else ""
-            print(f"{name}: {ms:.1f} ms/step (median of {len(times)}; host enqueue {host_ms:.1f} ms{exposed})",
-                  flush=True)
+            print(f"{name}: {ms:.1f} ms/step (median of {len(times)}; host enqueue {host_ms:.1f} ms{exposed}; "
+                  f"back to back {back_to_back:.1f} ms/step)", flush=True)
     return rows
 
 

@@ -269,22 +269,6 @@ def test_kernel_configs_are_deterministic_and_fit_the_shared_memory():
                                                                                      torch.bfloat16)
 
 
-@pytest.mark.parametrize("sms", [132, 114])  # an H100 SXM or H200, an H100 PCIe
-def test_a_stack_whose_128_tiles_leave_sms_idle_takes_64_tiles(monkeypatch, sms):
-    """A rank of 8 orthogonalizes two 3072x768 matrices: their Grams (2 x 21 lower 128-tiles) and the polynomial
-    on them would leave most SMs idle with 128x128 tiles. A one-GPU run's stacks, and a rank's eight 768x768 attention
-    matrices (168 lower tiles), keep 128; so does a product with enough output tiles (ax_plus_bx: 2 x 6 x 24)."""
-    monkeypatch.setattr(tg, "_SM_COUNT", sms)
-    assert tg.kernel_config("xxt", 2, 768, 3072, torch.bfloat16)["BLOCK_M"] == 64
-    assert tg.kernel_config("ba_plus_cAA", 2, 768, 768, torch.bfloat16)["BLOCK_M"] == 64
-    assert tg.kernel_config("xxt", 11, 768, 3072, torch.bfloat16)["BLOCK_M"] == 128
-    assert tg.kernel_config("ax_plus_bx", 2, 768, 3072, torch.bfloat16)["BLOCK_M"] == 128
-    assert tg.kernel_config("xxt", 8, 768, 768, torch.bfloat16)["BLOCK_M"] == 128
-    assert tg.kernel_config("xxt", 6, 768, 768, torch.bfloat16)["BLOCK_M"] == (128 if 6 * 21 >= sms else 64)
-    monkeypatch.setattr(tg, "_SM_COUNT", 10 ** 6)  # a GPU no stack fills: 64 wherever a matrix allows 64
-    assert tg.kernel_config("xxt", 40, 768, 768, torch.bfloat16)["BLOCK_M"] == 64
-
-
 def test_compiles_fullgraph():
     # no data-dependent Python control flow: dynamo captures one graph (CPU path; eager backend keeps it fast)
     G = torch.randn(2, 48, 32, generator=torch.Generator().manual_seed(11))

@@ -620,15 +620,15 @@ def test_polar_express_and_turbo_muon_match_their_float64_iteration_and_the_pola
 
 # ---- NorMuon at a rank of 8 -----------------------------------------------------------------------------------------
 
-NORMUON_SHARD_BOUND = {"torch.float32": 5e-2, "torch.bfloat16": 8e-2}  # the update's relative error, by param dtype
+NORMUON_SHARD_BOUND = {"torch.float32": 2e-2, "torch.bfloat16": 1.5e-2}  # measured 0.67-0.81 % and 0.34-0.60 %
 
 
 @pytest.mark.parametrize("orthogonalizer", ["polar", "turbo"])
 @pytest.mark.parametrize("rank", [0, 7])
 def test_normuon_update_on_a_rank_of_8_matches_its_float64_steps(rank, orthogonalizer, gpu_results):
     """Rank 0 of 8 updates a share of every group (the gates included), rank 7 only 3072x768 matrices. Three steps of
-    each group's shard update, compiled as in training (the orthogonalizer's tiles for a rank's few matrices), from
-    Gaussian gradients, against the same three steps in float64: the relative error of the parameters' change."""
+    each group's shard update, compiled as in training, from Gaussian gradients, against the same three steps in
+    float64: the relative error of the parameters' change."""
     from normuon_reference import shard_update_errors
     row = gpu_results[f"normuon_rank{rank}_of_8_{orthogonalizer}"] = shard_update_errors(
         rank, 8, orthogonalizer, flags=[], device="cuda", compiled=True)
