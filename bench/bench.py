@@ -232,9 +232,11 @@ def host_wait_summary(prof) -> str:
 
 
 def profile_kernels(prof) -> list:
-    """(name, start ms, end ms) of every GPU kernel a profile recorded."""
+    """(name, start ms, end ms) of every GPU kernel a profile recorded. A range a `record_function` marks on the GPU
+    (Optimizer.step#NorMuon.step: from its first kernel to its last) is not a kernel: summed, it counted them twice."""
     return [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()
-            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+            and not getattr(e, "is_user_annotation", False)]
 
 
 def profile_timeline(kernels: list) -> dict:

@@ -332,6 +332,57 @@ def test_the_rank_method_takes_the_slowest_emulated_rank_and_adds_the_exposed_w8
     assert p["stages"][1]["rank_steps_ms"] == {"0": 45.9, "7": 46.5} and p["stages"][1]["slowest_rank"] == 7
 
 
+def test_the_rank_method_takes_each_ranks_back_to_back_steps_when_every_input_has_them(tmp_path):
+    """Back to back is how the trainer runs its steps (no synchronisation between them): the rank method uses it
+    where every rank's JSON has it, and says so; one older input without it puts every rank on its median."""
+    import json
+    import predict_8gpu
+    names = [s.name for s in tg.stages(tg.Hyperparameters())]
+    files = []
+    for rank, median, back in ((0, 70.0, 66.0), (7, 68.0, 67.0)):
+        files.append(tmp_path / f"rank{rank}.json")
+        files[-1].write_text(json.dumps(dict(world_size=1, as_world_size=8, as_rank=rank, device="H200", commit="a",
+                                             stages=[dict(name=n, median_ms=median, back_to_back_ms=back)
+                                                     for n in names])))
+    (tmp_path / "exposure.json").write_text(json.dumps(dict(world_size=2, as_world_size=8, stages=[
+        dict(name=n, timeline=dict(communication_busy_ms=4.0, communication_exposed_ms=1.0)) for n in names])))
+    (tmp_path / "nccl.json").write_text(json.dumps(dict(for_world_size=8, per_step_ms_at_target=8.0)))
+    tail = ["--exposure", str(tmp_path / "exposure.json"), "--nccl", str(tmp_path / "nccl.json"),
+            "--out", str(tmp_path / "p.json")]
+    assert predict_8gpu.main(["--rank-bench", *map(str, files), *tail]) == 0
+    p = json.loads((tmp_path / "p.json").read_text())
+    assert p["rank_step"].startswith("back_to_back_ms")
+    assert [(r["slowest_rank"], r["predicted_ms"]) for r in p["stages"]] == [(7, 69.0)] * len(names)
+    old = json.loads(files[1].read_text())
+    for stage in old["stages"]:
+        del stage["back_to_back_ms"]
+    files[1].write_text(json.dumps(old))
+    assert predict_8gpu.main(["--rank-bench", *map(str, files), *tail]) == 0
+    p = json.loads((tmp_path / "p.json").read_text())
+    assert p["rank_step"].startswith("median_ms")
+    assert [(r["slowest_rank"], r["predicted_ms"]) for r in p["stages"]] == [(0, 72.0)] * len(names)
+
+
+def test_a_range_marked_on_the_gpu_is_not_counted_as_a_kernel():
+    """An optimizer's step shows on the GPU as a range from its first kernel to its last, beside the kernels."""
+    from types import SimpleNamespace as NS
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device=cuda, annotation=False):
+        return NS(name=name, device_type=device, time_range=NS(start=start, end=end), is_user_annotation=annotation)
+    prof = NS(events=lambda: [event("Optimizer.step#NorMuon.step", 0, 4000, annotation=True),
+                              event("kernel_a", 0, 1000), event("kernel_b", 3000, 4000),
+                              event("aten::mm", 0, 500, device=cpu), event("empty", 10, 10)])
+    assert bench.profile_kernels(prof) == [("kernel_a", 0.0, 1.0), ("kernel_b", 3.0, 4.0)]
+
+
+def test_back_to_back_timing_synchronises_once_after_the_last_step(monkeypatch):
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    assert bench.back_to_back_ms(lambda: events.append("step"), 4) >= 0
+    assert events == ["sync", "step", "step", "step", "step", "sync"]
+
+
 def test_the_orthogonalizers_flops_count_its_three_products_per_iteration_in_the_wide_orientation():
     # per iteration X Xᵀ and B·X (2 m² k each) and A·A (2 m³), m the short side
     assert bench.polar_flops(1, 768, 768, 5) == 5 * 6 * 768 ** 3

@@ -10,7 +10,9 @@ time to the last step, beside the record's own 8xH100 log.
 Two methods, by what --rank-bench holds:
   ranks of 8 emulated on one GPU (bench.py --as-world-size 8 [--as-rank R] on one process): per stage, the slowest
       of the given ranks' own step (its micro-batch and its optimizer shard, its idle time included; a rank given
-      several times: the median of its runs) + the W=8 collectives the step leaves exposed: their time at W=8
+      several times: the median of its runs; the steps run back to back, as the trainer runs them, where every
+      input has that figure, else each synchronised alone: that adds the host's time before a step's first kernel,
+      which the trainer hides behind the previous step) + the W=8 collectives the step leaves exposed: their time at W=8
       (--nccl) x the exposed share that a rank of 8 run on several GPUs measured (--exposure, a torchrun bench with
       its GPU timeline). The one-GPU step / 8 is shown beside.
   ranks run under torchrun on K = 2 or 4 GPUs (the earlier method, below).
@@ -33,7 +35,9 @@ Beside it:      the rank's own measured steps summed over the run, a second esti
                 rank's optimizer share and K ranks' collectives, but no assumption about what shrinks with W (on
                 4 H200s a rank's compute came out below one GPU's step / 8 at stage 3, its share included).
 Leaves out: the link (W=8's NVSwitch taken to give the bus bandwidth the K NVLinked GPUs give; this workplace measured
-            329 / 355 / 361 GB/s for a 1 GiB all-reduce on 2 / 4 / 8 H100s); stragglers among 8 ranks; validation
+            329 / 355 / 361 GB/s for a 1 GiB all-reduce on 2 / 4 / 8 H100s); stragglers among 8 ranks (on 2 and 4
+            H200s the collectives inside a step took 1.0-2.1x the microbenchmark's time, ranks waiting for a late
+            peer; the rank method's slowest rank covers the compute side only); validation
             (outside the train time); the GPUs' own speed (the prediction is of the machine the inputs ran on).
 """
 import argparse
@@ -118,18 +122,26 @@ def predict(rank: dict, w1: dict, nccl: dict, record_ms: dict, record_total_s: f
                 inputs={name: source(j) for name, j in (("rank_bench", rank), ("w1_bench", w1), ("nccl", nccl))})
 
 
+RANK_STEP_MEASURES = {
+    "back_to_back_ms": "back_to_back_ms: steps run back to back as the trainer runs them, one synchronisation after "
+                       "the last (the host's work before a step overlaps the previous step)",
+    "median_ms": "median_ms: the median of steps synchronised one by one (inputs without back-to-back times)"}
+
+
 def predict_from_ranks(ranks: list, exposure: dict, nccl: dict, record_ms: dict, record_total_s: float,
                        args: tg.Hyperparameters, w1: dict = None) -> dict:
     """The rank method: per stage the slowest emulated rank's step + the W=8 collectives x the exposed share."""
     comm_w8 = nccl["per_step_ms_at_target"]
     shared = {stage["name"]: stage["timeline"] for stage in exposure["stages"]}
     one_gpu = {stage["name"]: stage["median_ms"] for stage in w1["stages"]} if w1 else {}
+    # the steps as the trainer runs them (back to back) where every input has them, else each synchronised alone
+    key = "back_to_back_ms" if all("back_to_back_ms" in s for r in ranks for s in r["stages"]) else "median_ms"
     rows = []
     for stage in ranks[0]["stages"]:
         name = stage["name"]
-        runs = {}  # rank -> its runs' median ms at this stage
+        runs = {}  # rank -> its runs' ms at this stage
         for r in ranks:
-            runs.setdefault(r["as_rank"], []).append(next(s["median_ms"] for s in r["stages"] if s["name"] == name))
+            runs.setdefault(r["as_rank"], []).append(next(s[key] for s in r["stages"] if s["name"] == name))
         steps = {rank: statistics.median(ms) for rank, ms in runs.items()}  # a rank run several times: the median
         slowest = max(steps, key=steps.get)
         share = exposed_share(shared[name])
@@ -143,7 +155,7 @@ def predict_from_ranks(ranks: list, exposure: dict, nccl: dict, record_ms: dict,
     steps = steps_per_stage(args)
     total = total_s(rows, steps, "predicted_ms")
     return dict(method="rank: the slowest emulated rank's step + the W=8 collectives x the exposed share",
-                stages=rows, steps_per_stage=steps, predicted_total_s=total,
+                rank_step=RANK_STEP_MEASURES[key], stages=rows, steps_per_stage=steps, predicted_total_s=total,
                 record_total_s=record_total_s, total_ratio=total / record_total_s,
                 inputs=dict(ranks=[dict(source(r), as_rank=r["as_rank"]) for r in ranks], exposure=source(exposure),
                             nccl=source(nccl), w1_bench=source(w1) if w1 else None))
@@ -162,6 +174,7 @@ def rank_table(p: dict) -> str:
     src = p["inputs"]
     lines.append(f"time to step {sum(p['steps_per_stage'].values())}: predicted {p['predicted_total_s']:.1f} s, "
                  f"the record {p['record_total_s']:.1f} s ({p['total_ratio']:.3f}x)")
+    lines.append(f"a rank's step: {p['rank_step']}")
     lines.append(f"inputs: ranks {', '.join(str(r['as_rank']) for r in src['ranks'])} on {src['ranks'][0]['device']} "
                  f"at {src['ranks'][0]['commit']}; exposed share from W={src['exposure']['world_size']} on "
                  f"{src['exposure']['device']} at {src['exposure']['commit']}; collectives' time from "
