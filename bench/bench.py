@@ -16,13 +16,15 @@ their documents: time several R and take the slowest, as predict_8gpu.py does. M
     Inductor/Triton caches this one left behind. `-- --compile-cache FILE` loads the trainer's portable bundle first
     (a fresh machine given another machine's bundle) or, when FILE is absent or does not match, writes it after
     the warm-up, outside the clock
-  * per batch-size stage: median ms/step over --steps steps (CUDA-synchronised per step), the host's enqueue time
+  * per batch-size stage: median ms/step over --steps steps (CUDA-synchronised per step), and ms/step of --steps
+    more run back to back as the trainer runs them (one synchronisation after the last), the host's enqueue time
     per step (well below the step time: bound by the GPU; close to it: the profile's GPU idle time tells whether
     the CPU is the limit), tokens/s, MFU, peak memory; with several processes, the GPU timeline of one profiled
     step (compute, communication, the communication no compute hides); with --profile-stages, one profiled step
     of the stages named written out (GPU idle time, top kernels, host time by op).
     The timed steps run under train_gpt.no_compiles_allowed(): any recompilation there aborts the benchmark
-  * NorMuon step alone, DistAdam step alone (same model, real gradients)
+  * NorMuon step alone, DistAdam step alone (same model, real gradients); NorMuon's update per group as GPU time,
+    beside its orthogonalizer's FLOP time at the measured peak
   * the orthogonalizer alone on the real NorMuon stacks (their momentum buffers): Polar Express vs Turbo-Muon,
     time and relative error against the float64 SVD polar factor
   * one profiled stage-3 step: the top kernels and their share of the step (written beside the JSON)
