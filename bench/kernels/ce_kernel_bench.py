@@ -10,7 +10,11 @@ gradient's relative difference from the reference formula.
 
 Then the forward (the log-sum-exp pass): Inductor's compile of the plain head's loss and log-sum-exp,
 against the fused head's Triton pass at several tiles; each fused row reports its largest
-log-sum-exp difference from Inductor's and the relative difference of the summed loss."""
+log-sum-exp difference from Inductor's and the relative difference of the summed loss.
+
+Last, `floor`: the training cross-entropy as the trainer runs it (its forward and backward tiles) against the least
+it must move, one read of the logits and the two e5m2 writes, at the copy bandwidth measured in the same run (a
+device-to-device copy of the logits)."""
 import argparse
 import json
 import sys
@@ -52,6 +56,7 @@ def main(argv=None) -> int:
         return 2
     torch.manual_seed(0)
     T, V = a.tokens, 50304
+    trainer_tiles = tg.CE_FORWARD_TILE, tg.CE_BACKWARD_TILE
     x = tg.norm(torch.randn(T, 768, device="cuda")).bfloat16()
     w = (torch.randn(V, 768, device="cuda") * 0.05).bfloat16()
     logits = tg.lm_head_fp8(x, w)
@@ -100,8 +105,11 @@ def main(argv=None) -> int:
     best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
     choice = best if best and ok[best]["ms"] < rows["unfused"]["ms"] else "unfused"
     forward, forward_best = forward_rows(logits, targets)
+    tg.CE_FORWARD_TILE, tg.CE_BACKWARD_TILE = trainer_tiles
+    floor = training_against_floor(logits, targets, grad, out, out_t)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=T, vocab=V, rows=rows,
-                  best=choice, forward=forward, forward_best=forward_best, command=" ".join(["python3", *sys.argv]))
+                  best=choice, forward=forward, forward_best=forward_best, floor=floor,
+                  command=" ".join(["python3", *sys.argv]))
     Path(a.out).write_text(json.dumps(result, indent=1))
     for name, row in rows.items():
         print(f"{name:>12}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
@@ -110,7 +118,38 @@ def main(argv=None) -> int:
         print(f"forward {name:>14}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                   for k, v in row.items()))
     print(f"forward best: {forward_best}")
+    print(f"training: {floor['training_ms']:.3f} ms (forward {floor['forward_ms']:.3f} + backward "
+          f"{floor['backward_ms']:.3f}); floor {floor['floor_ms']:.3f} ms ({floor['floor_bytes'] / 1e9:.2f} GB at the "
+          f"measured copy bandwidth {floor['copy_gb_per_s']:.0f} GB/s): {floor['training_over_floor']:.2f}x")
     return 0
+
+
+def floor_bytes(tokens: int, vocab: int) -> int:
+    """The least a training cross-entropy moves: the bf16 logits read once, the e5m2 gradient written in both
+    layouts."""
+    return tokens * vocab * (2 + 1 + 1)
+
+
+def training_against_floor(logits, targets, grad, out, out_t) -> dict:
+    """The trainer's forward and backward passes (its tiles) against floor_bytes at the copy bandwidth of this GPU,
+    measured here as a device-to-device copy of the logits (one read, one write)."""
+    import triton.testing
+    T, V = logits.shape
+    lse, per_token = (torch.empty(T, device="cuda") for _ in range(2))
+    copy = torch.empty_like(logits)
+    copy_ms = triton.testing.do_bench(lambda: copy.copy_(logits), warmup=10, rep=100, return_mode="median")
+    copy_gb_per_s = 2 * logits.numel() * logits.element_size() / (copy_ms * 1e-3) / 1e9
+    forward_ms = triton.testing.do_bench(lambda: tg.launch_softcap_ce_forward(logits, targets, lse, per_token),
+                                         warmup=10, rep=100, return_mode="median")
+    backward_ms = triton.testing.do_bench(
+        lambda: tg.launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, tg.FP8_GRAD_SCALE),
+        warmup=10, rep=100, return_mode="median")
+    moved = floor_bytes(T, V)
+    floor_ms = moved / (copy_gb_per_s * 1e9) * 1e3
+    return dict(forward_tile=list(tg.CE_FORWARD_TILE), backward_tile=list(tg.CE_BACKWARD_TILE), forward_ms=forward_ms,
+                backward_ms=backward_ms, training_ms=forward_ms + backward_ms, copy_ms=copy_ms,
+                copy_gb_per_s=copy_gb_per_s, floor_bytes=moved, floor_ms=floor_ms,
+                training_over_floor=(forward_ms + backward_ms) / floor_ms)
 
 
 def forward_rows(logits, targets):
