@@ -363,6 +363,16 @@ def test_the_rank_method_takes_each_ranks_back_to_back_steps_when_every_input_ha
     assert [(r["slowest_rank"], r["predicted_ms"]) for r in p["stages"]] == [(0, 72.0)] * len(names)
 
 
+def test_the_kernel_benchmarks_refuse_a_machine_without_cuda_in_one_line(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "kernels"))
+    import ce_kernel_bench
+    import ce_routes_bench
+    for script in (ce_kernel_bench, ce_routes_bench):
+        assert script.main(["--out", "unused.json"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and "needs a CUDA GPU" in err[0]
+
+
 def test_a_range_marked_on_the_gpu_is_not_counted_as_a_kernel():
     """An optimizer's step shows on the GPU as a range from its first kernel to its last, beside the kernels."""
     from types import SimpleNamespace as NS
