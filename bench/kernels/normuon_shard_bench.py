@@ -52,21 +52,6 @@ def kernel_ms(bench, fn, repeats: int) -> float:
     return sum(b - a for _, a, b in bench.profile_kernels(prof)) / repeats
 
 
-def wall_ms(fn, repeats: int) -> list:
-    """Wall time of each call in ms, synchronised around every call."""
-    import time
-    import torch
-    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
-    out = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        out.append(1000 * (time.perf_counter() - t))
-    return out
-
-
 def orthogonalizer_tiles(tg, bench, muon, repeats: int) -> dict:
     """Per group with Triton kernels: the orthogonalizer on the group's shard (uncompiled) with the tiles
     kernel_config picks, and with 128x128 and 64x64 forced."""
@@ -122,7 +107,7 @@ def measure(a) -> dict:
         groups = bench.measure_normuon_groups(muon, peak, repeats=a.repeats)
         gaussian_gradients(tg, muon)
         step_gpu_ms = kernel_ms(bench, muon.step, a.repeats)
-        step_wall_ms = statistics.median(wall_ms(muon.step, a.repeats))
+        step_wall_ms = statistics.median(bench.timed(muon.step, a.repeats))
         tiles = orthogonalizer_tiles(tg, bench, muon, a.repeats) if a.tiles else None
     cuda = DEVICE == "cuda"
     result = dict(
