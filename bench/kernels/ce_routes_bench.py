@@ -3,9 +3,9 @@ that a route is chosen by measurement before it is built (bench/notes/cross_entr
 
     python3 bench/kernels/ce_routes_bench.py --out ce_routes.json [--tokens 49152]
 
-  ours           the trainer's forward pass (log-sum-exp) + backward pass (the e5m2 gradient in both layouts)
-  copy           a device-to-device copy of the logits: this GPU's copy bandwidth, and the floor (one read of the
-                 logits + the two e5m2 writes) at it
+  floor          the trainer's forward pass (log-sum-exp) + backward pass (the e5m2 gradient in both layouts)
+                 against the floor (one read of the logits + the two e5m2 writes) at this GPU's copy bandwidth
+                 (ce_kernel_bench.training_against_floor)
   quack_ce_dx    quack's cross-entropy forward with return_dx: one read of the bf16 logits, the bf16 gradient written
                  in the same pass (one row across a cluster): how fast a one-read row kernel runs at this shape
   transpose      the trainer's transpose_bytes of a (T, V) byte tensor: the price of writing the second layout in a
@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
+from ce_kernel_bench import training_against_floor  # noqa: E402
 
 VOCAB, WIDTH = 50304, 768
 
@@ -61,14 +62,9 @@ def main(argv=None) -> int:
     logits = tg.lm_head_fp8(x, w)
     targets = torch.randint(0, V, (T,), device="cuda")
     grad = torch.tensor(0.125, device="cuda")
-    lse, per_token = (torch.empty(T, device="cuda") for _ in range(2))
     out, out_t = (torch.empty(shape, dtype=torch.uint8, device="cuda") for shape in ((T, V), (V, T)))
+    floor = training_against_floor(logits, targets, grad, out, out_t)
     rows = {}
-    part(rows, "ours_forward", lambda: tg.launch_softcap_ce_forward(logits, targets, lse, per_token), T * V * 2)
-    part(rows, "ours_backward", lambda: tg.launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t,
-                                                                      tg.FP8_GRAD_SCALE), T * V * (2 + 1 + 1))
-    copy = torch.empty_like(logits)
-    part(rows, "copy", lambda: copy.copy_(logits), 2 * T * V * 2)
 
     def quack_ce():
         from quack.cross_entropy import cross_entropy_fwd
@@ -93,20 +89,14 @@ def main(argv=None) -> int:
         ref = torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
         rows["quack_fp8_gemm"]["rel_diff_vs_scaled_mm"] = ((logits_q.float() - ref.float()).norm()
                                                            / ref.float().norm()).item()
-    summary = {}
-    if "ms" in rows["copy"]:
-        floor_ms = T * V * (2 + 1 + 1) / (rows["copy"]["GB_per_s"] * 1e9) * 1e3
-        summary["floor_ms"] = floor_ms
-        if "ms" in rows["ours_forward"] and "ms" in rows["ours_backward"]:
-            summary["ours_ms"] = rows["ours_forward"]["ms"] + rows["ours_backward"]["ms"]
-            summary["ours_over_floor"] = summary["ours_ms"] / floor_ms
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, tokens=T, vocab=V, rows=rows,
-                  summary=summary, command=" ".join(["python3", *sys.argv]))
+                  floor=floor, command=" ".join(["python3", *sys.argv]))
     Path(a.out).write_text(json.dumps(result, indent=1))
     for name, row in rows.items():
         print(f"{name:>15}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                           for k, v in row.items() if k != "bytes"))
-    print("summary: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
+    print(f"ours: {floor['training_ms']:.3f} ms, {floor['training_over_floor']:.2f}x the floor of {floor['floor_ms']:.3f} "
+          f"ms ({floor['copy_gb_per_s']:.0f} GB/s copy bandwidth)")
     return 0
 
 
