@@ -1,9 +1,15 @@
 """NorMuon's update in float64, written out from its definition, and the errors of a rank's shard update against it
 (tests/test_optimizers.py on the CPU, tests/gpu/test_gpu_checks.py at the 8-GPU shard on a GPU)."""
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
 import train_gpt as tg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench  # noqa: E402
 
 
 def normuon_steps_float64(P, grads, beta, beta2, lr_eff, wd_eff, is_attn, dim, turbo):
@@ -38,8 +44,7 @@ def shard_update_errors(rank: int, world_size: int, orthogonalizer: str, flags: 
     trainer's model (its flags), NorMuon as the trainer builds it, `steps` shard updates of every group from Gaussian
     gradients; per group the rank updates, its matrices, param dtype and the relative error of the parameters'
     change against normuon_steps_float64."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    bench.emulate_rank(rank, world_size)
     try:
         args = tg.parse_args([*flags, "--orthogonalizer", orthogonalizer])
         torch.manual_seed(rank)

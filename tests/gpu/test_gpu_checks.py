@@ -617,7 +617,6 @@ def test_polar_express_and_turbo_muon_match_their_float64_iteration_and_the_pola
             assert r["sv_min"] > 0.8, (mode, row)     # measured >= 0.857
 
 
-
 # ---- NorMuon at a rank of 8 -----------------------------------------------------------------------------------------
 
 NORMUON_SHARD_BOUND = {"torch.float32": 2e-2, "torch.bfloat16": 1.5e-2}  # measured 0.67-0.81 % and 0.34-0.60 %
