@@ -2483,20 +2483,21 @@ def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: f
         logits, lse, targets, grad, out, out_t, T, V, grad_s, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t,
         BLOCK_V=block_v, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
 
-# The one-read version: the gradient needs each row's log-sum-exp, a sum over all 50,304 classes, so its tiles wait
-# for it. One launch interleaves the two kinds of program: for each band of BLOCK_T rows, BLOCK_T programs that sum a
-# row each, then, LOOKAHEAD bands later in launch order, the band's gradient tiles, which wait for their rows' sums
-# and read the logits again while the band is still in L2 (about 13 MB passes through L2 between the two reads at
-# LOOKAHEAD 2). The GPU starts programs in launch order, so a waiting tile never holds back the programs it waits for.
-CE_ONE_READ_TILE = (64, 128, 8)   # BLOCK_T, BLOCK_V, num_warps of the gradient tiles (the backward's tile above)
-CE_ONE_READ_ROW_BLOCK = 1024      # columns per step of a row's log-sum-exp
-CE_ONE_READ_LOOKAHEAD = 2         # bands whose sums are launched ahead of a band's gradient tiles
+# The one-read version: the gradient needs each row's log-sum-exp, a sum over all 50,304 classes, so a program cannot
+# write its tile of the gradient until every other tile of those rows has been summed. Programs own a column chunk
+# each and walk down the rows in bands, all at once (a persistent grid, every program resident): a program publishes
+# its partial sums of band b, and the last to arrive adds the band's partials up in a fixed order (the same bits on
+# every run) and marks the band ready. A program keeps its softcapped tiles of two bands in registers while it
+# publishes a third, so it rarely waits, and writes a band's gradient from registers: the logits are read once.
+CE_ONE_READ_TILE = (32, 128, 4)   # rows per band, columns per program, num_warps of _softcap_ce_one_read_kernel
+CE_ONE_READ_AHEAD = 2            # bands a program publishes beyond the one it writes
+CE_ONE_READ_RECOMPUTE = False
 
 @torch.library.custom_op("speedrun::softcap_ce_with_gradient", mutates_args=())
 def fused_softcap_ce_with_gradient(logits: Tensor, targets: Tensor, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
     """(summed cross-entropy of softcap(logits) in fp32, e5m2(bf16(d loss / d logits) / grad_s) in the (T, V) and
-    the (V, T) layout the FP8 backward's two GEMMs read), from one read of the logits out of memory. The gradient is
-    that of the summed loss itself: the caller folds the loss's incoming gradient into the GEMMs' scale."""
+    the (V, T) layout the FP8 backward's two GEMMs read), from one read of the logits. The gradient is that of the
+    summed loss itself: the caller folds the loss's incoming gradient into the GEMMs' scale."""
     T, V = logits.shape
     lse = logits.new_empty(T, dtype=torch.float32)
     per_token = torch.empty_like(lse)
@@ -2510,20 +2511,57 @@ def _(logits, targets, grad_s):
     return (logits.new_empty((), dtype=torch.float32), logits.new_empty((T, V), dtype=torch.float8_e5m2),
             logits.new_empty((V, T), dtype=torch.float8_e5m2))
 
+_RESIDENT_CHECKED = {}
+
+def programs_resident_at_once(kernel, warps: int, device) -> int:
+    """How many programs of a compiled Triton kernel the GPU holds at once (registers, threads, shared memory)."""
+    props = torch.cuda.get_device_properties(device)
+    regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256  # registers are handed to warps in blocks of 256
+    per_sm = min(props.regs_per_multiprocessor // (regs_per_warp * warps),
+                 props.max_threads_per_multi_processor // (32 * warps),
+                 props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024), 32)
+    return props.multi_processor_count * per_sm
+
 def launch_softcap_ce_one_read(logits, targets, lse, per_token, out, out_t, grad_s: float):
     """_softcap_ce_one_read_kernel: lse and per_token (T,) fp32 = lse - z_target, out (T, V) and out_t (V, T) uint8
     buffers of the e5m2 gradient of the summed loss, over grad_s."""
     T, V = logits.shape
     assert logits.is_contiguous()
     block_t, block_v, warps = CE_ONE_READ_TILE
+    programs, bands = triton.cdiv(V, block_v), max(triton.cdiv(T, block_t), 2)
     assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
-    bands, chunks = triton.cdiv(T, block_t), triton.cdiv(V, block_v)
-    counts = torch.zeros(bands, dtype=torch.int32, device=logits.device)  # rows summed, per band
-    grid = ((bands + CE_ONE_READ_LOOKAHEAD) * (block_t + chunks),)
-    _softcap_ce_one_read_kernel[grid](
-        logits, targets, lse, per_token, out, out_t, counts, T, V, bands, grad_s, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH,
-        BLOCK_T=block_t, BLOCK_V=block_v, ROW_BLOCK=CE_ONE_READ_ROW_BLOCK, LOOKAHEAD=CE_ONE_READ_LOOKAHEAD,
-        PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
+    target_terms = torch.empty((2, T), dtype=torch.float32, device=logits.device)  # gradient's target term, z_target
+    sync = torch.zeros(bands * (1 + block_t), dtype=torch.int32, device=logits.device)  # counts, then row sums
+    args = (logits, targets, lse, per_token, target_terms, out, out_t, sync[bands:].view(torch.float32), sync[:bands],
+            T, V, bands, grad_s)
+    meta = dict(CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t, BLOCK_V=block_v, PTX_TANH=not _TRITON_INTERPRET,
+                EVEN=T % block_t == 0 and V % block_v == 0 and T >= 2 * block_t, num_warps=warps)
+    if _TRITON_INTERPRET:  # the interpreter runs programs one after another: every band's sums, then the gradients
+        for phase in (1, 2):
+            _softcap_ce_one_read_kernel[(programs,)](*args, PHASE=phase, AHEAD=CE_ONE_READ_AHEAD, RECOMPUTE=CE_ONE_READ_RECOMPUTE, **meta)
+        return
+    # A program waits for all the others, so all must be resident at once: registers capped to fit.
+    meta["maxnreg"] = ce_one_read_register_cap(programs, warps, logits.device)
+    key = (logits.device, V, CE_ONE_READ_TILE, CE_ONE_READ_AHEAD, CE_ONE_READ_RECOMPUTE)
+    if key not in _RESIDENT_CHECKED:
+        compiled = _softcap_ce_one_read_kernel.warmup(*args, grid=(programs,), PHASE=0, AHEAD=CE_ONE_READ_AHEAD, RECOMPUTE=CE_ONE_READ_RECOMPUTE, **meta)
+        compiled._init_handles()
+        resident = programs_resident_at_once(compiled, warps, logits.device)
+        if programs > resident:
+            raise RuntimeError(f"the one-read cross-entropy needs all {programs} programs ({V} classes / {block_v}) "
+                               f"resident at once and this GPU holds {resident}: use --kernels plain for the head")
+        _RESIDENT_CHECKED[key] = dict(resident=resident, registers=compiled.n_regs, spills=compiled.n_spills)
+    _softcap_ce_one_read_kernel[(programs,)](*args, PHASE=0, AHEAD=CE_ONE_READ_AHEAD, RECOMPUTE=CE_ONE_READ_RECOMPUTE, **meta)
+
+def ce_one_read_register_cap(programs: int, warps: int, device) -> int:
+    """Registers per thread that let `programs` programs of `warps` warps be resident together on this GPU."""
+    props = torch.cuda.get_device_properties(device)
+    per_sm = -(-programs // props.multi_processor_count)
+    cap = min(255, props.regs_per_multiprocessor // (per_sm * warps * 32) // 8 * 8)
+    if cap < 64 or per_sm * warps * 32 > props.max_threads_per_multi_processor:
+        raise RuntimeError(f"the one-read cross-entropy's {programs} programs do not fit this GPU at once: use "
+                           f"--kernels plain for the head")
+    return cap
 
 class FusedLMHeadLoss(torch.autograd.Function):
     """lm_head_loss in fewer passes: the FP8 matmul, one Triton pass for the log-sum-exp, and in the backward one that
@@ -2668,59 +2706,140 @@ if triton is not None:
         tl.store(per_token + rows, row_lse - z_t, mask=rmask)
 
     @triton.jit
-    def _softcap_ce_one_read_kernel(logits, targets, lse, per_token, out, out_t, counts, T, V, bands, grad_s,
-                                    CAP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-                                    BLOCK_V: tl.constexpr, ROW_BLOCK: tl.constexpr, LOOKAHEAD: tl.constexpr,
-                                    PTX_TANH: tl.constexpr):
-        # Launch order, in segments of BLOCK_T + chunks programs: segment k holds band k's row sums, then band
-        # (k - LOOKAHEAD)'s gradient tiles. A row program is the forward pass above for one row; a gradient tile is
-        # the backward pass above once its band's rows are summed, for an incoming gradient of 1.
-        chunks = tl.cdiv(V, BLOCK_V)
-        segment = tl.program_id(0) // (BLOCK_T + chunks)
-        i = tl.program_id(0) % (BLOCK_T + chunks)
-        if i < BLOCK_T:
-            band = segment
-            row = band * BLOCK_T + i
-            if band < bands:
-                if row < T:
-                    base = row.to(tl.int64) * V
-                    acc = tl.zeros([ROW_BLOCK], dtype=tl.float32)
-                    for col0 in range(0, V, ROW_BLOCK):
-                        cols = col0 + tl.arange(0, ROW_BLOCK)
-                        x = tl.load(logits + base + cols, mask=cols < V, other=0.0).to(tl.float32)
-                        e = tl.exp2(_softcap_sigmoid(x, WIDTH, True, PTX_TANH) * (CAP * 1.4426950408889634))
-                        acc += tl.where(cols < V, e, 0.0)
-                    row_lse = tl.log(tl.sum(acc, axis=0))
-                    x_t = tl.load(logits + base + tl.load(targets + row)).to(tl.float32)
-                    tl.store(lse + row, row_lse)
-                    tl.store(per_token + row, row_lse - CAP * _softcap_sigmoid(x_t, WIDTH, False, PTX_TANH))
-                    tl.debug_barrier()  # every thread's stores before the count that publishes them
-                tl.atomic_add(counts + band, 1, sem="release", scope="gpu")
-        elif segment >= LOOKAHEAD:
-            band = segment - LOOKAHEAD
-            while tl.atomic_add(counts + band, 0, sem="acquire", scope="gpu") < BLOCK_T:
-                pass
-            row0 = band * BLOCK_T
-            col0 = (i - BLOCK_T) * BLOCK_V
-            r = tl.arange(0, BLOCK_T)
-            c = tl.arange(0, BLOCK_V)
-            rows = row0 + r
-            cols = col0 + c
-            rmask = rows < T
-            mask = rmask[:, None] & (cols[None, :] < V)
-            tile = row0.to(tl.int64) * V + col0
-            tile_t = col0.to(tl.int64) * T + row0
-            x = tl.load(logits + tile + (r[:, None] * V + c[None, :]), mask=mask, other=0.0).to(tl.float32)
-            row_lse = tl.load(lse + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-            row_target = tl.load(targets + rows, mask=rmask, other=-1)
-            s = _softcap_sigmoid(x, WIDTH, True, PTX_TANH)
-            p = tl.exp(CAP * s - row_lse[:, None])
-            onehot = (cols[None, :] == row_target[:, None]).to(tl.float32)
-            g = (p - onehot) * (CAP / WIDTH) * s * (1.0 - s)
-            g = g.to(tl.bfloat16).to(tl.float32) * (1.0 / grad_s)
-            q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
-            tl.store(out + tile + (r[:, None] * V + c[None, :]), q, mask=mask)
-            tl.store(out_t + tile_t + (c[:, None] * T + r[None, :]), tl.trans(q), mask=tl.trans(mask))
+    def _ce_tile_mask(band, chunk, T, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, EVEN: tl.constexpr):
+        if EVEN:  # whole tiles only: a constant mask, which the compiler drops (per-element masks cost registers)
+            return tl.full([BLOCK_T, BLOCK_V], 1, tl.int1)
+        else:
+            rows = band * BLOCK_T + tl.arange(0, BLOCK_T)
+            cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+            return (rows < T)[:, None] & (cols < V)[None, :]
+
+    @triton.jit
+    def _ce_tile_terms(logits, band, chunk, T, V, CAP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr, EVEN: tl.constexpr):
+        # One tile's e = exp(z) (0 where masked), z = CAP·s, s = sigmoid(logit/WIDTH) in fast math as the passes
+        # above, and a = e·(CAP/WIDTH)·s·(1-s): the gradient's tile is a·exp(-lse) less the target's term.
+        r = tl.arange(0, BLOCK_T)
+        c = tl.arange(0, BLOCK_V)
+        mask = _ce_tile_mask(band, chunk, T, V, BLOCK_T, BLOCK_V, EVEN)
+        tile = tl.cast(band * BLOCK_T, tl.int64) * V + chunk * BLOCK_V  # band may be a literal
+        x = tl.load(logits + tile + (r[:, None] * V + c[None, :]), mask=mask, other=0.0).to(tl.float32)
+        s = _softcap_sigmoid(x, WIDTH, True, PTX_TANH)
+        e = tl.where(mask, tl.exp2(s * (CAP * 1.4426950408889634)), 0.0)
+        return e * (CAP / WIDTH) * s * (1.0 - s), e
+
+    @triton.jit
+    def _ce_publish_band(e, logits, targets, sums, target_terms, arrived, band, chunk, T, V, CAP: tl.constexpr,
+                         WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr):
+        # Adds this tile's share of sum_v exp(z) to its rows' sums; for the rows whose target falls in this tile, the
+        # gradient's target term (CAP/WIDTH)·s·(1-s) and z_target (its sigmoid exact, as the plain loss); then
+        # counts this program in at the band.
+        r = tl.arange(0, BLOCK_T)
+        rows = band * BLOCK_T + r
+        rmask = rows < T
+        tl.atomic_add(sums + rows, tl.sum(e, axis=1), mask=rmask, sem="relaxed", scope="gpu")
+        target = tl.load(targets + rows, mask=rmask, other=-1)
+        owned = rmask & (target >= chunk * BLOCK_V) & (target < chunk * BLOCK_V + BLOCK_V)
+        x_t = tl.load(logits + rows.to(tl.int64) * V + target, mask=owned, other=0.0).to(tl.float32)
+        s_t = _softcap_sigmoid(x_t, WIDTH, True, PTX_TANH)
+        tl.store(target_terms + rows, (CAP / WIDTH) * s_t * (1.0 - s_t), mask=owned)
+        tl.store(target_terms + T + rows, CAP * _softcap_sigmoid(x_t, WIDTH, False, PTX_TANH), mask=owned)
+        tl.debug_barrier()  # every thread's writes before the arrival that publishes them
+        tl.atomic_add(arrived + band, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def _ce_write_band_gradient(a, targets, sums, target_terms, lse, per_token, out, out_t, arrived, band, chunk,
+                                chunks, T, V, grad_s, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                                EVEN: tl.constexpr):
+        # Once every program has counted in at the band: lse = log(sum), and the tile of d loss / d logits,
+        # g = a·exp(-lse) - [v = target]·(CAP/WIDTH)·s·(1-s), rounded to bf16 (the record's gradient dtype), over
+        # grad_s, to e5m2, stored as (T, V) for dX and as (V, T) for dW. Program 0 writes the loss per token.
+        while tl.atomic_add(arrived + band, 0, sem="acquire", scope="gpu") < chunks:
+            pass
+        r = tl.arange(0, BLOCK_T)
+        c = tl.arange(0, BLOCK_V)
+        rows = band * BLOCK_T + r
+        rmask = rows < T
+        mask = _ce_tile_mask(band, chunk, T, V, BLOCK_T, BLOCK_V, EVEN)
+        row_lse = tl.log(tl.load(sums + rows, mask=rmask, other=1.0, cache_modifier=".cg"))
+        term = tl.load(target_terms + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+        target = tl.load(targets + rows, mask=rmask, other=-1).to(tl.int32) - chunk * BLOCK_V
+        g = a * tl.exp(-row_lse)[:, None] - tl.where(c[None, :] == target[:, None], term[:, None], 0.0)
+        g = g.to(tl.bfloat16).to(tl.float32) * (1.0 / grad_s)
+        q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        tile = tl.cast(band * BLOCK_T, tl.int64) * V + chunk * BLOCK_V
+        tile_t = tl.cast(chunk * BLOCK_V, tl.int64) * T + band * BLOCK_T
+        tl.store(out + tile + (r[:, None] * V + c[None, :]), q, mask=mask)
+        tl.store(out_t + tile_t + (c[:, None] * T + r[None, :]), tl.trans(q), mask=tl.trans(mask))
+        if chunk == 0:
+            z_t = tl.load(target_terms + T + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+            tl.store(lse + rows, row_lse, mask=rmask)
+            tl.store(per_token + rows, row_lse - z_t, mask=rmask)
+
+    @triton.jit
+    def _softcap_ce_one_read_kernel(logits, targets, lse, per_token, target_terms, out, out_t, sums, arrived, T, V,
+                                    bands, grad_s, CAP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                                    BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr, EVEN: tl.constexpr,
+                                    PHASE: tl.constexpr, AHEAD: tl.constexpr, RECOMPUTE: tl.constexpr):
+        # Program `chunk` owns columns [chunk·BLOCK_V, +BLOCK_V) of every band of BLOCK_T rows. PHASE 0 (GPUs): it
+        # publishes band b before it waits for band b-AHEAD, so every program can always reach the band the others
+        # wait for. PHASE 1 then 2 (the interpreter, one program at a time): every band published, then every
+        # gradient from a second read.
+        chunk = tl.program_id(0)
+        chunks = tl.num_programs(0)
+        if PHASE == 1:
+            for band in range(0, bands):
+                _, e = _ce_tile_terms(logits, band, chunk, T, V, CAP, WIDTH, BLOCK_T, BLOCK_V, PTX_TANH, EVEN)
+                _ce_publish_band(e, logits, targets, sums, target_terms, arrived, band, chunk, T, V, CAP, WIDTH,
+                                 BLOCK_T, BLOCK_V, PTX_TANH)
+        elif PHASE == 2:
+            for band in range(0, bands):
+                a, _ = _ce_tile_terms(logits, band, chunk, T, V, CAP, WIDTH, BLOCK_T, BLOCK_V, PTX_TANH, EVEN)
+                _ce_write_band_gradient(a, targets, sums, target_terms, lse, per_token, out, out_t, arrived, band,
+                                        chunk, chunks, T, V, grad_s, BLOCK_T, BLOCK_V, EVEN)
+        elif RECOMPUTE:
+            for band in range(0, bands + AHEAD):
+                if band < bands:
+                    _, e = _ce_tile_terms(logits, band, chunk, T, V, CAP, WIDTH, BLOCK_T, BLOCK_V, PTX_TANH, EVEN)
+                    _ce_publish_band(e, logits, targets, sums, target_terms, arrived, band, chunk, T, V, CAP, WIDTH,
+                                     BLOCK_T, BLOCK_V, PTX_TANH)
+                if band >= AHEAD:
+                    a, _ = _ce_tile_terms(logits, band - AHEAD, chunk, T, V, CAP, WIDTH, BLOCK_T, BLOCK_V, PTX_TANH,
+                                          EVEN)
+                    _ce_write_band_gradient(a, targets, sums, target_terms, lse, per_token, out, out_t, arrived,
+                                            band - AHEAD, chunk, chunks, T, V, grad_s, BLOCK_T, BLOCK_V, EVEN)
+        elif AHEAD == 1:
+            a0, e = _ce_tile_terms(logits, 0, chunk, T, V, CAP, WIDTH, BLOCK_T, BLOCK_V, PTX_TANH, EVEN)
+            _ce_publish_band(e, logits, targets, sums, target_terms, arrived, 0, chunk, T, V, CAP, WIDTH, BLOCK_T,
+                             BLOCK_V, PTX_TANH)
+            for band in range(1, bands):
+                a1, e = _ce_tile_terms(logits, band, chunk, T, V, CAP, WIDTH, BLOCK_T, BLOCK_V, PTX_TANH, EVEN)
+                _ce_publish_band(e, logits, targets, sums, target_terms, arrived, band, chunk, T, V, CAP, WIDTH,
+                                 BLOCK_T, BLOCK_V, PTX_TANH)
+                _ce_write_band_gradient(a0, targets, sums, target_terms, lse, per_token, out, out_t, arrived,
+                                        band - 1, chunk, chunks, T, V, grad_s, BLOCK_T, BLOCK_V, EVEN)
+                a0 = a1
+            _ce_write_band_gradient(a0, targets, sums, target_terms, lse, per_token, out, out_t, arrived, bands - 1,
+                                    chunk, chunks, T, V, grad_s, BLOCK_T, BLOCK_V, EVEN)
+        else:
+            a0, e = _ce_tile_terms(logits, 0, chunk, T, V, CAP, WIDTH, BLOCK_T, BLOCK_V, PTX_TANH, EVEN)
+            _ce_publish_band(e, logits, targets, sums, target_terms, arrived, 0, chunk, T, V, CAP, WIDTH, BLOCK_T,
+                             BLOCK_V, PTX_TANH)
+            a1, e = _ce_tile_terms(logits, 1, chunk, T, V, CAP, WIDTH, BLOCK_T, BLOCK_V, PTX_TANH, EVEN)
+            _ce_publish_band(e, logits, targets, sums, target_terms, arrived, 1, chunk, T, V, CAP, WIDTH, BLOCK_T,
+                             BLOCK_V, PTX_TANH)
+            for band in range(2, bands):
+                a2, e = _ce_tile_terms(logits, band, chunk, T, V, CAP, WIDTH, BLOCK_T, BLOCK_V, PTX_TANH, EVEN)
+                _ce_publish_band(e, logits, targets, sums, target_terms, arrived, band, chunk, T, V, CAP, WIDTH,
+                                 BLOCK_T, BLOCK_V, PTX_TANH)
+                _ce_write_band_gradient(a0, targets, sums, target_terms, lse, per_token, out, out_t, arrived,
+                                        band - 2, chunk, chunks, T, V, grad_s, BLOCK_T, BLOCK_V, EVEN)
+                a0 = a1
+                a1 = a2
+            _ce_write_band_gradient(a0, targets, sums, target_terms, lse, per_token, out, out_t, arrived, bands - 2,
+                                    chunk, chunks, T, V, grad_s, BLOCK_T, BLOCK_V, EVEN)
+            _ce_write_band_gradient(a1, targets, sums, target_terms, lse, per_token, out, out_t, arrived, bands - 1,
+                                    chunk, chunks, T, V, grad_s, BLOCK_T, BLOCK_V, EVEN)
 
 def needs_cuda_triton(fp8: bool = True):
     if triton is None or not torch.cuda.is_available() or not fp8:
