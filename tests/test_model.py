@@ -817,7 +817,8 @@ def interpreter_runs():
     """The Triton-interpreter scripts of this module (below), run together in one fresh process."""
     return run_scripts_in_triton_interpreter(dict(fused_attention=FUSED_ATTENTION_SCRIPT,
                                                   qk_norm_rope=QK_NORM_ROPE_SCRIPT,
-                                                  value_embedding=VALUE_EMBEDDING_SCRIPT))
+                                                  value_embedding=VALUE_EMBEDDING_SCRIPT,
+                                                  fa4_accumulator=FA4_ACCUMULATOR_SCRIPT))
 
 
 FUSED_ATTENTION_SCRIPT = """
@@ -934,3 +935,116 @@ def test_value_embedding_pass_equals_the_plain_addition_of_the_strided_v_heads(i
     assert len(rows) == 6
     for row in rows:
         assert row["equal"] and row["contiguous"] and row["shape"] == row["case"][:3], row
+
+
+# FlashAttention-4 4.0.0b36's fp32 dQ accumulator on sm90 (bench/notes/fa4_backward_sm90.md, its layout checked with
+# the CuTe DSL's layout algebra): per head, document b's rows from the padded row cu[b] + 64·b - cu[b] % 64 on, in
+# tiles of 64 rows x 128 columns of 8192 floats, element (m, n) of a tile at this offset within it.
+FA4_ACCUMULATOR_SCRIPT = """
+import json, sys, types, torch
+sys.path.insert(0, "tests")
+import train_gpt as tg
+from test_model import ReferenceFA4, window_table
+assert tg._TRITON_INTERPRET
+
+
+def tile_offset(m, n):
+    half, col = n // 64, n % 64
+    thread = (col % 8) // 2 + 4 * (m % 8) + 32 * (m // 16)
+    return 4096 * half + 512 * (col // 8) + 4 * thread + (col % 2) + 2 * ((m // 8) % 2)
+
+
+def accumulator(dq, cu, scale):
+    # FA4's accumulator holding dq / scale; tile rows past a document hold 0, rows between documents NaN (unwritten)
+    T, H, D = dq.shape
+    docs = cu.numel() - 1
+    acc = torch.full((H, (T + 64 * docs + 63) // 64 * 64 * D), float("nan"))
+    m, n = torch.arange(64)[:, None], torch.arange(D)[None, :]
+    for b in range(docs):
+        start, length = int(cu[b]), int(cu[b + 1] - cu[b])
+        padded = start + 64 * b - start % 64
+        for k in range((length + 63) // 64):
+            rows = torch.arange(64) + 64 * k
+            tile = torch.where((rows < length)[:, None, None], dq[(start + rows).clamp(max=T - 1)], 0.0) / scale
+            for h in range(H):
+                acc[h, (padded + 64 * k) * D + tile_offset(m, n)] = tile[:, h]
+    return acc
+
+
+out = []
+for T, H, lengths in [(200, 2, [64, 1, 70, 65]), (130, 3, [129, 1]), (100, 1, [37])]:
+    torch.manual_seed(T)
+    D = 128
+    cu = tg.pack_cu_seqlens(lengths, T, 8)  # documents, then the rest of T as one, then zero-length padding
+    yarn = tg.Yarn(D, 256)
+    yarn.stretch(3, 7)
+    cos, sin = yarn.cos.float(), yarn.sin.float()
+    qkv = torch.randn(T, 3 * H, D) * 2
+    qk, rstd = tg.qk_norm_rope(qkv, cos, sin)
+    scale = 0.125  # a power of two: dq / scale and back is exact, whatever the rounding of the cast to bf16
+    dq = torch.randn(T, H, D).bfloat16().float()
+    d_qk = torch.cat([dq, torch.randn(T, H, D)], dim=1)
+    full = torch.full_like(qkv, float("nan"))
+    tg.qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, full)
+    acc = accumulator(dq, cu, scale)
+    from_acc = torch.full_like(qkv, float("nan"))
+    tg.q_norm_rope_backward_from_accumulator(acc, scale, cu, qkv, rstd, cos, sin, from_acc)
+    tg.qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, from_acc, q_heads=False)
+
+    # through fa4_backward: a stand-in FA4 that hands its accumulator to the conversion it looks up at each call
+    class AccumulatingFA4(ReferenceFA4):
+        converted = []
+
+        @classmethod
+        def _bwd_postprocess_convert(cls, accum, output, scale, cu_seqlens, seqused, arch, dtype, hdim, block_size,
+                                     num_threads, atom_layout, swap_ab):
+            cls.converted.append(arch)
+            output.copy_(cls.dq)  # what FA4's conversion writes: the accumulator times scale (exact here), in bf16
+
+        @classmethod
+        def _flash_attn_bwd(cls, q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
+                            window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk, dv):
+            super()._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
+                                    window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk,
+                                    dv)
+            cls.dq = dq.bfloat16().float()  # bf16 values: the kernel's cast to bf16 keeps them, however it rounds
+            acc = accumulator(cls.dq, cu_seqlens_q, softmax_scale)
+            dq.fill_(float("nan"))  # FA4 writes dq only in its conversion
+            cls._bwd_postprocess_convert(acc, dq, softmax_scale, cu_seqlens_q, None, cls.arch, torch.bfloat16, 128,
+                                         64, 256, 1, False)
+
+    tg.fa4_interface = lambda: AccumulatingFA4
+    results = {}
+    for arch, readable in ((90, True), (90, False), (100, True)):
+        AccumulatingFA4.arch, AccumulatingFA4.converted = arch, []
+        tg.fa4_accumulator_readable = lambda: readable
+        table = window_table(0.125, 300)
+        x = qkv.clone().requires_grad_()
+        y = tg.fused_attention(x, None, cos, sin, cu, max(lengths), table, 0)
+        (g,) = torch.autograd.grad(y, x, torch.randn_like(y, generator=torch.Generator().manual_seed(1)))
+        results[f"{arch}_{readable}"] = (g, AccumulatingFA4.converted, AccumulatingFA4._bwd_postprocess_convert)
+    g_read, g_converted = results["90_True"][0], results["90_False"][0]
+    out.append(dict(case=[T, H, lengths], equal=torch.equal(from_acc[:, :2 * H], full[:, :2 * H]),
+                    q_all_written=not bool(from_acc[:, :H].isnan().any()),
+                    v_untouched=bool(from_acc[:, 2 * H:].isnan().all()),
+                    through_op_equal=torch.equal(g_read, g_converted) and not bool(g_read.isnan().any()),
+                    converted_calls={k: v[1] for k, v in results.items()},
+                    hook_put_back=all(v[2].__func__ is AccumulatingFA4._bwd_postprocess_convert.__func__
+                                      for v in results.values())))
+print(json.dumps(out))
+"""
+
+
+def test_q_norm_backward_reads_fa4s_dq_accumulator_with_the_bits_of_fa4s_own_conversion(interpreter_runs):
+    """The q heads' norm + rotary backward reading FA4's fp32 dQ accumulator (4.0.0b36's sm90 layout, built here by
+    the layout's formula with NaN between documents and zeros past them) gives the qkv gradient bit for bit as the
+    plain backward given FA4's converted dq: documents of 1, 37, 64, 65, 70 and 129 rows, zero-length padding, 1-3
+    heads, every q row written, v left alone. Through the fused attention with a stand-in FA4: the same qkv
+    gradient, bit for bit, as with FA4's own conversion; the conversion is taken over only where the accumulator is
+    readable and FA4 reports the sm90 layout, and FA4's own is put back after each call."""
+    rows = interpreted(interpreter_runs, "fa4_accumulator")
+    assert len(rows) == 3
+    for row in rows:
+        assert row["equal"] and row["q_all_written"] and row["v_untouched"] and row["through_op_equal"], row
+        assert row["converted_calls"] == {"90_True": [], "90_False": [90], "100_True": [100]}, row
+        assert row["hook_put_back"], row
