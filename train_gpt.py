@@ -2184,8 +2184,8 @@ def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, windo
         else:
             convert(accum, output, scale, cu_seqlens, seqused, arch, dtype, hdim, block_size, num_threads,
                     atom_layout, swap_ab, *args, **kwargs)
-    if dq_unconverted:  # FA4 looks its conversion up as a module global at each call (its compile cache too)
-        fa4._bwd_postprocess_convert = functools.update_wrapper(take_accumulator, convert)
+    if dq_unconverted:  # FA4 looks its conversion up as a module global at each call
+        fa4._bwd_postprocess_convert = take_accumulator
     try:
         fa4._flash_attn_bwd(
             q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
@@ -2303,8 +2303,9 @@ if triton is not None:
                                                       ROW_STRIDE: tl.constexpr, DOCUMENTS: tl.constexpr):
         # One 64-row tile of FA4's padded dQ rows, one q head. Document b's rows start at the padded row
         # cu[b] + 64·b - cu[b] % 64 (a multiple of 64) and fill whole tiles (rows past the document hold zeros);
-        # the padding between documents is never written. In a tile of 8192 floats, each of FA4's two warpgroups
-        # writes 64 columns (the rotary's two halves) as its MMA fragments' 128-bit vectors.
+        # the padding between documents is never written. In a tile of 8192 floats, each of the two warpgroups
+        # writes 64 columns as its MMA fragments' 128-bit vectors: element (m, n) for n < 64 sits at `place`,
+        # n + 64 at place + 4096, which is the rotary's pairing of the two halves.
         row0 = tl.program_id(0) * 64
         head = tl.program_id(1)
         b = tl.arange(0, DOCUMENTS)
@@ -2317,12 +2318,14 @@ if triton is not None:
             doc_start = tl.sum(tl.where(b == doc, start, 0), axis=0)
             in_doc = row0 - tl.sum(tl.where(b == doc, padded, 0), axis=0)
             rows = tl.sum(tl.where(b == doc, length, 0), axis=0) - in_doc  # rows of this tile that are tokens
-            # The tile read whole and in order, as [half][n/8][m/16][m%8][(n%8)/2][(m/8)%2][n%2], then put in
-            # (m, n % 64, half) order; scaled and rounded to bf16 as FA4's conversion rounds (today's dq bits).
-            tile = tl.load(accum + head.to(tl.int64) * head_stride + row0.to(tl.int64) * D + tl.arange(0, 64 * D))
-            tile = tl.permute(tl.reshape(tile, (2, 8, 4, 8, 4, 2, 2)), (2, 5, 3, 1, 4, 6, 0))
-            g1, g2 = tl.split(tl.reshape((tile * scale).to(tl.bfloat16).to(tl.float32), (64, D // 2, 2)))
-            mask = tl.arange(0, 64)[:, None] < rows
+            m = tl.arange(0, 64)[:, None]
+            n = tl.arange(0, D // 2)[None, :]
+            place = 512 * (n // 8) + 4 * ((n % 8) // 2 + 4 * (m % 8) + 32 * (m // 16)) + (n % 2) + 2 * ((m // 8) % 2)
+            mask = m < rows
+            tile = accum + head.to(tl.int64) * head_stride + row0.to(tl.int64) * D + place
+            # scaled and rounded to bf16 as FA4's own conversion does, so dq has today's bits
+            g1 = (tl.load(tile, mask=mask, other=0.0) * scale).to(tl.bfloat16).to(tl.float32)
+            g2 = (tl.load(tile + 4096, mask=mask, other=0.0) * scale).to(tl.bfloat16).to(tl.float32)
             token = (doc_start + in_doc + tl.arange(0, 64)).to(tl.int64)
             _norm_rope_backward_rows(g1, g2, token, head, mask, qkv, rstd, cos, sin, d_qkv, HEADS2, D, ROW_STRIDE)
 
