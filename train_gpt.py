@@ -2104,7 +2104,6 @@ class FusedKernel:
     follows: tuple         # the plain functions whose code the fused kernel computes
     fingerprint: str       # code_fingerprint(*follows) when the fused kernel was last checked against it
     check_here: object     # check_here(fp8) raises where the fused kernel cannot run (no GPU, library missing)
-    note_here: object = None  # note_here() -> a line for the log where the kernel runs in a lesser way, or None
 
 FUSED_KERNELS = {}  # name -> FusedKernel, each registered beside its fused kernel
 
@@ -2142,8 +2141,6 @@ def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]
                               f"has changed: run with --kernels plain (or leave {name} out of --kernels), or update "
                               f"the fused kernel and FUSED_KERNELS['{name}'].fingerprint")
         chosen[name] = kernel.fused
-        if kernel.note_here is not None and (note := kernel.note_here()):
-            notes.append(f"kernels: {name}: {note}")
     if requested == "fused" and device != "cuda":
         notes.append(f"kernels: no fused kernel runs on the {device}: the plain functions, as --kernels plain")
     return chosen, notes
@@ -2168,60 +2165,13 @@ def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, window_table, window_row: 
     return out, lse
 
 def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, window_table, window_row: int,
-                 dq, dk, dv, dq_unconverted: bool = False) -> tuple | None:
-    """Writes the gradients into dk, dv and dq (views of the caller's gradient buffers). dq_unconverted: leave dq
-    unwritten and return (FA4's fp32 dQ accumulator, the scale its conversion would apply) for the caller to read,
-    where this FA4 lays it out as _q_norm_rope_backward_from_accumulator_kernel reads it (sm90, head dim 128);
-    None where FA4 converted dq itself."""
+                 dq, dk, dv) -> None:
+    """Writes the gradients into dq, dk, dv (views of the caller's gradient buffers)."""
     scale, window = scale_and_window(window_table, window_row)
-    fa4, taken = fa4_interface(), []
-    convert = fa4._bwd_postprocess_convert if dq_unconverted else None
-
-    def take_accumulator(accum, output, scale, cu_seqlens, seqused, arch, dtype, hdim, block_size, num_threads,
-                         atom_layout, swap_ab, *args, **kwargs):
-        if (arch // 10, hdim, block_size, num_threads, atom_layout, swap_ab) == (9, 128, 64, 256, 1, False):
-            taken.append((accum, scale))  # the sm90 layout the q/k norm backward reads
-        else:
-            convert(accum, output, scale, cu_seqlens, seqused, arch, dtype, hdim, block_size, num_threads,
-                    atom_layout, swap_ab, *args, **kwargs)
-    if dq_unconverted:  # FA4 looks its conversion up as a module global at each call
-        fa4._bwd_postprocess_convert = take_accumulator
-    try:
-        fa4._flash_attn_bwd(
-            q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
-            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-            dq=dq, dk=dk, dv=dv)
-    finally:
-        if dq_unconverted:
-            fa4._bwd_postprocess_convert = convert
-    return taken[0] if taken else None
-
-# FA4's backward sums dQ in fp32 (atomically, over key tiles) into an accumulator in a layout private to its sm90
-# kernel, then a pass of its own converts it to bf16 dq, which the norm + rotary backward reads again. That backward
-# can read the accumulator itself, rounding as the conversion rounds (same bits), and the pass goes. The layout is
-# 4.0.0b36's (bench/notes/fa4_backward_sm90.md): another version keeps FA4's own conversion, and says so in the log.
-FA4_ACCUMULATOR_VERSION = "4.0.0b36"
-
-@functools.cache
-def fa4_accumulator_readable() -> bool:
-    import importlib.metadata
-    try:
-        return (importlib.metadata.version("flash-attn-4") == FA4_ACCUMULATOR_VERSION
-                and torch.cuda.get_device_capability()[0] == 9)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-def fa4_accumulator_note() -> str | None:
-    if fa4_accumulator_readable():
-        return None
-    import importlib.metadata
-    try:
-        version = importlib.metadata.version("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        version = "not installed as flash-attn-4"
-    return (f"FlashAttention-4 converts dq itself (the q/k norm backward reads the dQ accumulator of "
-            f"{FA4_ACCUMULATOR_VERSION} on Hopper only; this is {version}, compute capability "
-            f"{'.'.join(map(str, torch.cuda.get_device_capability()))})")
+    fa4_interface()._flash_attn_bwd(
+        q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
+        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        dq=dq, dk=dk, dv=dv)
 
 # q/k RMS norm and rotary in one Triton pass inside the FlashAttention-4 op (Inductor parks the rotated rows in fp32
 # scratch and copies dv into the qkv gradient in one more pass): the forward reads each raw q/k row once, the
@@ -2265,69 +2215,27 @@ if triton is not None:
         tl.store(v_out + tokens * WIDTH + cols, (a + b).to(v_out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _norm_rope_backward_rows(g1, g2, token, head, mask, qkv, rstd, cos, sin, d_qkv, HEADS2: tl.constexpr,
-                                 D: tl.constexpr, ROW_STRIDE: tl.constexpr):
-        # Rows (token, head) of the rotated, normalised q/k with gradient halves g1, g2 (fp32): their raw rows'
-        # gradient, written into d_qkv[token, head].
+    def _qk_norm_rope_backward_kernel(d_qk, qkv, rstd, cos, sin, d_qkv, rows_total, HEADS2: tl.constexpr,
+                                      D: tl.constexpr, ROW_STRIDE: tl.constexpr, BLOCK_R: tl.constexpr):
+        # d_qk (T, HEADS2, D): gradient of the rotated rows; writes the raw rows' gradient into d_qkv[token, j].
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < rows_total)[:, None]
+        token = (rows // HEADS2).to(tl.int64)
         half = tl.arange(0, D // 2)[None, :]
+        grad = d_qk + rows.to(tl.int64)[:, None] * D + half
+        g1 = tl.load(grad, mask=mask, other=0.0).to(tl.float32)
+        g2 = tl.load(grad + D // 2, mask=mask, other=0.0).to(tl.float32)
         table = token[:, None] * (D // 2) + half
         c = tl.load(cos + table, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin + table, mask=mask, other=0.0).to(tl.float32)
         g1, g2 = g1 * c - g2 * s, g1 * s + g2 * c  # through the rotation (its transpose)
-        offset = token[:, None] * ROW_STRIDE + head * D + half
-        r = tl.load(rstd + token[:, None] * HEADS2 + head, mask=mask, other=0.0)
+        offset = token[:, None] * ROW_STRIDE + (rows % HEADS2)[:, None] * D + half
+        r = tl.load(rstd + rows, mask=rows < rows_total, other=0.0)[:, None]
         x1 = tl.load(qkv + offset, mask=mask, other=0.0).to(tl.float32) * r
         x2 = tl.load(qkv + offset + D // 2, mask=mask, other=0.0).to(tl.float32) * r
         dot = (tl.sum(x1 * g1, 1) + tl.sum(x2 * g2, 1))[:, None] / D
         tl.store(d_qkv + offset, ((g1 - x1 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
         tl.store(d_qkv + offset + D // 2, ((g2 - x2 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _qk_norm_rope_backward_kernel(d_qk, qkv, rstd, cos, sin, d_qkv, rows_total, FIRST_HEAD: tl.constexpr,
-                                      HEADS: tl.constexpr, HEADS2: tl.constexpr, D: tl.constexpr,
-                                      ROW_STRIDE: tl.constexpr, BLOCK_R: tl.constexpr):
-        # d_qk (T, HEADS2, D): gradient of the rotated rows. Row r = token·HEADS + j stands for head FIRST_HEAD + j.
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = (rows < rows_total)[:, None]
-        token = (rows // HEADS).to(tl.int64)
-        head = (FIRST_HEAD + rows % HEADS)[:, None]
-        half = tl.arange(0, D // 2)[None, :]
-        grad = d_qk + (token[:, None] * HEADS2 + head) * D + half
-        g1 = tl.load(grad, mask=mask, other=0.0).to(tl.float32)
-        g2 = tl.load(grad + D // 2, mask=mask, other=0.0).to(tl.float32)
-        _norm_rope_backward_rows(g1, g2, token, head, mask, qkv, rstd, cos, sin, d_qkv, HEADS2, D, ROW_STRIDE)
-
-    @triton.jit
-    def _q_norm_rope_backward_from_accumulator_kernel(accum, head_stride, scale, cu_seqlens, documents, qkv, rstd,
-                                                      cos, sin, d_qkv, HEADS2: tl.constexpr, D: tl.constexpr,
-                                                      ROW_STRIDE: tl.constexpr, DOCUMENTS: tl.constexpr):
-        # One 64-row tile of FA4's padded dQ rows, one q head. Document b's rows start at the padded row
-        # cu[b] + 64·b - cu[b] % 64 (a multiple of 64) and fill whole tiles (rows past the document hold zeros);
-        # the padding between documents is never written. In a tile of 8192 floats, each of the two warpgroups
-        # writes 64 columns as its MMA fragments' 128-bit vectors: element (m, n) for n < 64 sits at `place`,
-        # n + 64 at place + 4096, which is the rotary's pairing of the two halves.
-        row0 = tl.program_id(0) * 64
-        head = tl.program_id(1)
-        b = tl.arange(0, DOCUMENTS)
-        start = tl.load(cu_seqlens + b, mask=b < documents, other=0)
-        length = tl.load(cu_seqlens + b + 1, mask=b < documents, other=0) - start
-        padded = start + 64 * b - start % 64
-        here = (b < documents) & (padded <= row0) & (row0 < padded + (length + 63) // 64 * 64)
-        doc = tl.max(tl.where(here, b, -1), axis=0)
-        if doc >= 0:
-            doc_start = tl.sum(tl.where(b == doc, start, 0), axis=0)
-            in_doc = row0 - tl.sum(tl.where(b == doc, padded, 0), axis=0)
-            rows = tl.sum(tl.where(b == doc, length, 0), axis=0) - in_doc  # rows of this tile that are tokens
-            m = tl.arange(0, 64)[:, None]
-            n = tl.arange(0, D // 2)[None, :]
-            place = 512 * (n // 8) + 4 * ((n % 8) // 2 + 4 * (m % 8) + 32 * (m // 16)) + (n % 2) + 2 * ((m // 8) % 2)
-            mask = m < rows
-            tile = accum + head.to(tl.int64) * head_stride + row0.to(tl.int64) * D + place
-            # scaled and rounded to bf16 as FA4's own conversion does, so dq has today's bits
-            g1 = (tl.load(tile, mask=mask, other=0.0) * scale).to(tl.bfloat16).to(tl.float32)
-            g2 = (tl.load(tile + 4096, mask=mask, other=0.0) * scale).to(tl.bfloat16).to(tl.float32)
-            token = (doc_start + in_doc + tl.arange(0, 64)).to(tl.int64)
-            _norm_rope_backward_rows(g1, g2, token, head, mask, qkv, rstd, cos, sin, d_qkv, HEADS2, D, ROW_STRIDE)
 
 QK_NORM_ROPE_ROWS = 32  # head rows per program: 32 x 128 elements in flight each way
 
@@ -2358,31 +2266,16 @@ def add_value_embedding(qkv: Tensor, ve: Tensor) -> Tensor:
         BLOCK_W=triton.next_power_of_2(width), num_warps=8)
     return v
 
-def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, d_qkv: Tensor,
-                          q_heads: bool = True) -> None:
-    """Writes the gradient of qkv's q and k heads (k only where not q_heads), given d_qk (T, 2H, D) of
-    qk_norm_rope's output, into d_qkv[:, :2H] (d_qkv has qkv's layout; its v heads are left alone)."""
+def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, d_qkv: Tensor) -> None:
+    """Writes the gradient of qkv's q and k heads, given d_qk (T, 2H, D) of qk_norm_rope's output, into
+    d_qkv[:, :2H] (d_qkv has qkv's layout; its v heads are left alone)."""
     T, heads3, D = qkv.shape
     heads2 = 2 * heads3 // 3
     assert d_qk.is_contiguous() and d_qkv.is_contiguous() and qkv.is_contiguous()
-    first, heads = (0, heads2) if q_heads else (heads2 // 2, heads2 // 2)
-    rows = T * heads
+    rows = T * heads2
     _qk_norm_rope_backward_kernel[(triton.cdiv(rows, QK_NORM_ROPE_ROWS),)](
-        d_qk, qkv, rstd, cos, sin, d_qkv, rows, FIRST_HEAD=first, HEADS=heads, HEADS2=heads2, D=D,
-        ROW_STRIDE=heads3 * D, BLOCK_R=QK_NORM_ROPE_ROWS, num_warps=4)
-
-def q_norm_rope_backward_from_accumulator(accum: Tensor, scale: float, cu_seqlens: Tensor, qkv: Tensor, rstd: Tensor,
-                                          cos: Tensor, sin: Tensor, d_qkv: Tensor) -> None:
-    """qk_norm_rope_backward for the q heads with their gradient read from FA4's dQ accumulator (H, rows · D), fp32,
-    as fa4_backward(dq_unconverted=True) returns it."""
-    T, heads3, D = qkv.shape
-    heads = heads3 // 3
-    assert D == 128 and accum.dim() == 2 and accum.size(0) == heads and accum.stride(1) == 1
-    assert accum.size(1) % (64 * D) == 0 and d_qkv.is_contiguous() and qkv.is_contiguous()
-    documents = cu_seqlens.numel() - 1
-    _q_norm_rope_backward_from_accumulator_kernel[(accum.size(1) // (64 * D), heads)](
-        accum, accum.stride(0), scale, cu_seqlens, documents, qkv, rstd, cos, sin, d_qkv, HEADS2=2 * heads, D=D,
-        ROW_STRIDE=heads3 * D, DOCUMENTS=triton.next_power_of_2(documents), num_warps=4)
+        d_qk, qkv, rstd, cos, sin, d_qkv, rows, HEADS2=heads2, D=D, ROW_STRIDE=heads3 * D,
+        BLOCK_R=QK_NORM_ROPE_ROWS, num_warps=4)
 
 @torch.library.custom_op("speedrun::fa4_qkv", mutates_args=())
 def fa4_qkv(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
@@ -2411,12 +2304,9 @@ def fa4_qkv_backward(grad_out: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, ou
     heads = qkv.size(1) // 3
     v = v_used if v_used.numel() else qkv[:, 2 * heads:]
     d_qkv, d_qk = torch.empty_like(qkv), torch.empty_like(qk)
-    accumulator = fa4_backward(grad_out, qk[:, :heads], qk[:, heads:], v, out, lse, cu_seqlens, max_seqlen,
-                               window_table, window_row, dq=d_qk[:, :heads], dk=d_qk[:, heads:],
-                               dv=d_qkv[:, 2 * heads:], dq_unconverted=fa4_accumulator_readable())
-    if accumulator is not None:
-        q_norm_rope_backward_from_accumulator(*accumulator, cu_seqlens, qkv, rstd, cos, sin, d_qkv)
-    qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv, q_heads=accumulator is None)
+    fa4_backward(grad_out, qk[:, :heads], qk[:, heads:], v, out, lse, cu_seqlens, max_seqlen, window_table, window_row,
+                 dq=d_qk[:, :heads], dk=d_qk[:, heads:], dv=d_qkv[:, 2 * heads:])
+    qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv)
     return d_qkv
 
 @fa4_qkv_backward.register_fake
@@ -2446,8 +2336,7 @@ def fa4_on_this_gpu():
     return fa4_interface()
 
 FUSED_KERNELS["attention"] = FusedKernel(attention, fused_attention, (attention, rotary, norm, flash_attention,
-                                         scale_and_window), "beb42ed1db10", lambda fp8: fa4_on_this_gpu(),
-                                         fa4_accumulator_note)
+                                         scale_and_window), "beb42ed1db10", lambda fp8: fa4_on_this_gpu())
 
 @functools.cache
 def quack_gemm():

@@ -370,44 +370,6 @@ def test_fa4_matches_fa2_on_a_stage3_micro_batch(stage, gpu_results):
     assert max(diffs) < 2 * ATTENTION_BOUND, diffs  # two bf16 kernels, each within ATTENTION_BOUND of fp32
 
 
-@pytest.mark.parametrize("stage", [1, 3], ids=[WINDOWS[1][0], WINDOWS[3][0]])
-def test_q_norm_backward_from_fa4s_accumulator_has_the_bits_of_fa4s_own_conversion(stage, gpu_results):
-    """On a stage-3 micro-batch: FA4's backward run once, its dQ accumulator kept and its own conversion run too;
-    the q heads' norm + rotary backward reading that accumulator writes the same qkv gradient, bit for bit, as the
-    plain kernel reading FA4's converted dq. And fa4_backward takes the accumulator over on this machine."""
-    fused_kernel("attention", gpu_results)
-    fa4 = tg.fa4_interface()
-    yarn, table = yarn_and_window_table(stage)
-    cu = stage3_cu_seqlens()
-    torch.manual_seed(0)
-    qkv = (torch.randn(T3, 3 * H, HD, device="cuda") * 0.5).bfloat16()
-    cos, sin = yarn.cos.bfloat16(), yarn.sin.bfloat16()
-    out, lse, qk, _, rstd = torch.ops.speedrun.fa4_qkv(qkv, None, cos, sin, cu, MAX_SEQ, table, 1)
-    g = torch.randn_like(out)
-    d_qk, kept, convert = torch.empty_like(qk), [], fa4._bwd_postprocess_convert
-
-    def keep_and_convert(accum, output, scale, *args, **kwargs):
-        kept.append((accum.clone(), scale, args[2:9]))
-        convert(accum, output, scale, *args, **kwargs)
-    fa4._bwd_postprocess_convert = keep_and_convert
-    try:
-        fa4_backward(g, qk[:, :H], qk[:, H:], qkv[:, 2 * H:], out, lse, cu, MAX_SEQ, table, 1,
-                     dq=d_qk[:, :H], dk=d_qk[:, H:], dv=torch.empty_like(out))
-    finally:
-        fa4._bwd_postprocess_convert = convert
-    plain, from_acc = torch.zeros_like(qkv), torch.zeros_like(qkv)
-    tg.qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, plain)
-    tg.q_norm_rope_backward_from_accumulator(kept[0][0], kept[0][1], cu, qkv, rstd, cos, sin, from_acc)
-    taken = fa4_backward(g, qk[:, :H], qk[:, H:], qkv[:, 2 * H:], out, lse, cu, MAX_SEQ, table, 1,
-                         dq=torch.empty_like(out), dk=torch.empty_like(out), dv=torch.empty_like(out),
-                         dq_unconverted=True)
-    r = gpu_results[f"fa4_accumulator_{WINDOWS[stage][0].replace(' ', '_')}"] = dict(
-        conversion_arguments=[str(a) for a in kept[0][2]], readable=tg.fa4_accumulator_readable(),
-        taken_over=taken is not None, q_bit_identical=bool(torch.equal(from_acc[:, :H], plain[:, :H])),
-        q_rel_diff=rel(from_acc[:, :H], plain[:, :H]), accumulator_shape=list(kept[0][0].shape))
-    assert r["readable"] and r["taken_over"] and r["q_bit_identical"], r
-
-
 # ---- FUSED_KERNELS: each fused twin against its plain function ----------------------------------------------------
 
 def grads_of(fn, inputs: list, grad: torch.Tensor, dtype) -> list:
