@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import json
 import os
+import random
 import re
 import shlex
 import signal
@@ -29,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY = ("peak_allocated_gib", "peak_in_use_gib")  # per stage in bench.py's JSON; peak_in_use_gib since CUDA graphs
+# Per stage in bench.py's JSON: the median of steps synchronised one by one, and the mean step of steps run back to
+# back as the trainer runs them (from one host's enqueue, the steadier of the two where the host is slow).
+TIMES = ("median_ms", "back_to_back_ms")
 
 
 def welch_p(a: list, b: list):
@@ -40,11 +44,25 @@ def welch_p(a: list, b: list):
 
 
 def read_result(path: Path):
-    """({stage name: {"median_ms": .., peak memory fields}}, the whole JSON) of a bench.py JSON."""
+    """({stage name: {"median_ms": .., "back_to_back_ms": .., peak memory fields}}, the whole JSON) of a bench.py
+    JSON."""
     d = json.loads(path.read_text())
-    stages = {s["name"]: {k: s[k] for k in ("median_ms", *MEMORY) if k in s} for s in d.get("stages", [])
+    stages = {s["name"]: {k: s[k] for k in (*TIMES, *MEMORY) if k in s} for s in d.get("stages", [])
               if "median_ms" in s}
     return stages, d
+
+
+def median_difference(a: list, b: list, draws: int = 10000, seed: int = 0) -> dict:
+    """B's median over its runs minus A's, in ms and in % of A's, with 95 % percentile-bootstrap intervals (each
+    side's runs drawn again with replacement, `draws` times; seeded, so a summary reads the same every time)."""
+    rng = random.Random(seed)
+    diffs = sorted(statistics.median(rng.choices(b, k=len(b))) - statistics.median(rng.choices(a, k=len(a)))
+                   for _ in range(draws))
+    base = statistics.median(a)
+    low, high = diffs[int(0.025 * draws)], diffs[int(0.975 * draws) - 1]
+    d = statistics.median(b) - base
+    return dict(b_minus_a_ms=d, ci95_ms=[low, high], b_minus_a_pct=100 * d / base,
+                ci95_pct=[100 * low / base, 100 * high / base])
 
 
 def run_one(s, side: str, pair: int, lane_no: int, lane) -> dict:
@@ -129,7 +147,10 @@ def summarize(runs: list) -> tuple:
         a_ms, b_ms = [x["median_ms"] for x in a], [x["median_ms"] for x in b]
         ma, mb = statistics.mean(a_ms), statistics.mean(b_ms)
         row = dict(a_ms=a_ms, b_ms=b_ms, a_mean_ms=ma, b_mean_ms=mb, b_minus_a_ms=mb - ma,
-                   b_minus_a_pct=100 * (mb - ma) / ma, welch_p=welch_p(a_ms, b_ms))
+                   b_minus_a_pct=100 * (mb - ma) / ma, welch_p=welch_p(a_ms, b_ms),
+                   medians={t: dict(a=[x[t] for x in a], b=[x[t] for x in b],
+                                    **median_difference([x[t] for x in a], [x[t] for x in b]))
+                            for t in TIMES if all(t in x for x in a + b)})
         for field in MEMORY:
             if all(field in x for x in a + b):
                 ga, gb = statistics.mean(x[field] for x in a), statistics.mean(x[field] for x in b)
@@ -147,6 +168,13 @@ def table(pairs: list, stages: dict) -> str:
         gib = f"  {mem['a_mean']:.2f} / {mem['b_mean']:.2f}" if mem else ""
         lines.append(f"{name:<10} {r['a_mean_ms']:>9.2f} {r['b_mean_ms']:>9.2f} {r['b_minus_a_ms']:>+8.2f} "
                      f"{r['b_minus_a_pct']:>+6.2f}% {p:>8}{gib}")
+    for t, label in (("median_ms", "synchronised"), ("back_to_back_ms", "back to back")):
+        rows = [(name, r["medians"][t]) for name, r in stages.items() if t in r.get("medians", {})]
+        if rows:
+            lines.append(f"{label}, B - A of the medians (95 % bootstrap interval):")
+            lines += [f"{name:<10} {m['b_minus_a_ms']:>+8.2f} ms ({m['ci95_ms'][0]:+.2f} .. {m['ci95_ms'][1]:+.2f}) "
+                      f"{m['b_minus_a_pct']:>+6.2f}% ({m['ci95_pct'][0]:+.2f} .. {m['ci95_pct'][1]:+.2f})"
+                      for name, m in rows]
     return "\n".join(lines)
 
 

@@ -30,7 +30,8 @@ if name in cfg.get("fail", []):
 ms = cfg[side][int(name[1:]) - 1]
 with open(out, "w") as f:
     json.dump(dict(device="stand-in GPU", commit=side * 7, stages=[
-        dict(name="stage 1", median_ms=ms[0], peak_allocated_gib=20.0, peak_in_use_gib=21.0 + (side == "b")),
+        dict(name="stage 1", median_ms=ms[0], back_to_back_ms=ms[0] - 1.0, peak_allocated_gib=20.0,
+             peak_in_use_gib=21.0 + (side == "b")),
         dict(name="stage 2", median_ms=ms[1])]), f)
 """
 A_MS = [[100.0, 200.0], [101.5, 199.0], [100.5, 201.0], [100.0, 200.0], [100.0, 200.0]]
@@ -80,8 +81,33 @@ def test_a_and_b_alternate_and_each_stage_gets_means_difference_and_welchs_p(stu
         assert row["welch_p"] == pytest.approx(stats.ttest_ind(a, b, equal_var=False).pvalue, rel=1e-9)
     assert s["stages"]["stage 1"]["peak_in_use_gib"] == dict(a_mean=21.0, b_mean=22.0, b_minus_a=1.0)
     assert "peak_in_use_gib" not in s["stages"]["stage 2"]
-    last = capsys.readouterr().out.splitlines()[-4:]  # the table comes last
-    assert last[0].startswith("3 pair(s) counted") and last[2].startswith("stage 1 ") and "+2.50  +2.48%" in last[2]
+    out = capsys.readouterr().out.splitlines()
+    last = out[out.index("3 pair(s) counted: A and B 3 run(s) each"):]  # the table comes last
+    assert last[2].startswith("stage 1 ") and "+2.50  +2.48%" in last[2]
+    assert last[4] == "synchronised, B - A of the medians (95 % bootstrap interval):"
+    assert last[7] == "back to back, B - A of the medians (95 % bootstrap interval):" and len(last) == 9
+    assert last[8].startswith("stage 1 ") and "+2.50 ms" in last[8] and "+2.51%" in last[8]  # of A's 99.5 ms
+
+
+def test_each_stage_gets_the_difference_of_medians_with_a_bootstrap_interval_for_each_timing(stub):
+    """B - A of the runs' medians, per timing that every run reports (bench.py's synchronised median and its
+    back-to-back mean step), with a 95 % percentile-bootstrap interval in ms and in % of A: the same on every
+    summary (seeded), inside the range the runs allow, and around 0 when B is A."""
+    assert ab.main(stub.argv("--pairs", "3")) == 0
+    s = summary(stub)
+    one, two = s["stages"]["stage 1"]["medians"], s["stages"]["stage 2"]["medians"]
+    assert set(one) == {"median_ms", "back_to_back_ms"} and set(two) == {"median_ms"}  # stage 2 has no back-to-back
+    a, b = [ms[0] for ms in A_MS[:3]], [ms[0] for ms in B_MS[:3]]
+    m = one["median_ms"]
+    assert m["a"] == a and m["b"] == b and m["b_minus_a_ms"] == pytest.approx(103.0 - 100.5)
+    assert m["b_minus_a_pct"] == pytest.approx(100 * 2.5 / 100.5)
+    low, high = m["ci95_ms"]
+    assert min(b) - max(a) <= low <= m["b_minus_a_ms"] <= high <= max(b) - min(a)
+    assert m["ci95_pct"] == pytest.approx([100 * low / 100.5, 100 * high / 100.5])
+    assert one["back_to_back_ms"]["b_minus_a_ms"] == pytest.approx(2.5)  # each 1 ms below its median
+    assert ab.median_difference(a, b) == {k: v for k, v in m.items() if k not in ("a", "b")}  # seeded: the same
+    same = ab.median_difference(a, a)
+    assert same["b_minus_a_ms"] == 0 and same["ci95_ms"][0] < 0 < same["ci95_ms"][1]
 
 
 def test_welchs_p_matches_scipy_where_the_sides_differ_in_size_and_spread():
