@@ -52,14 +52,19 @@ def read_result(path: Path):
     return stages, d
 
 
-def median_difference(a: list, b: list, draws: int = 10000, seed: int = 0) -> dict:
-    """B's median over its runs minus A's, in ms and in % of A's, with 95 % percentile-bootstrap intervals (each
-    side's runs drawn again with replacement, `draws` times; seeded, so a summary reads the same every time)."""
+def bootstrap_interval(a: list, b: list, draws: int = 10000, seed: int = 0) -> tuple:
+    """95 % percentile-bootstrap interval of median(b) - median(a): each side's runs drawn again with replacement,
+    `draws` times; seeded, so a summary reads the same every time."""
     rng = random.Random(seed)
     diffs = sorted(statistics.median(rng.choices(b, k=len(b))) - statistics.median(rng.choices(a, k=len(a)))
                    for _ in range(draws))
+    return diffs[int(0.025 * draws)], diffs[int(0.975 * draws) - 1]
+
+
+def median_difference(a: list, b: list) -> dict:
+    """B's median over its runs minus A's, in ms and in % of A's, with their 95 % bootstrap intervals."""
     base = statistics.median(a)
-    low, high = diffs[int(0.025 * draws)], diffs[int(0.975 * draws) - 1]
+    low, high = bootstrap_interval(a, b)
     d = statistics.median(b) - base
     return dict(b_minus_a_ms=d, ci95_ms=[low, high], b_minus_a_pct=100 * d / base,
                 ci95_pct=[100 * low / base, 100 * high / base])
@@ -146,11 +151,13 @@ def summarize(runs: list) -> tuple:
             continue
         a_ms, b_ms = [x["median_ms"] for x in a], [x["median_ms"] for x in b]
         ma, mb = statistics.mean(a_ms), statistics.mean(b_ms)
+        medians = {}
+        for t in TIMES:
+            if all(t in x for x in a + b):
+                ta, tb = [x[t] for x in a], [x[t] for x in b]
+                medians[t] = dict(a=ta, b=tb, **median_difference(ta, tb))
         row = dict(a_ms=a_ms, b_ms=b_ms, a_mean_ms=ma, b_mean_ms=mb, b_minus_a_ms=mb - ma,
-                   b_minus_a_pct=100 * (mb - ma) / ma, welch_p=welch_p(a_ms, b_ms),
-                   medians={t: dict(a=[x[t] for x in a], b=[x[t] for x in b],
-                                    **median_difference([x[t] for x in a], [x[t] for x in b]))
-                            for t in TIMES if all(t in x for x in a + b)})
+                   b_minus_a_pct=100 * (mb - ma) / ma, welch_p=welch_p(a_ms, b_ms), medians=medians)
         for field in MEMORY:
             if all(field in x for x in a + b):
                 ga, gb = statistics.mean(x[field] for x in a), statistics.mean(x[field] for x in b)

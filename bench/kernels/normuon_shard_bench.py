@@ -16,12 +16,13 @@ difference of the medians (B - A) and its 95 % interval (percentile bootstrap ov
 """
 import argparse
 import json
-import random
 import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from ab import bootstrap_interval  # noqa: E402  (the interval ab.py reports)
 DEVICE = "cuda"  # the CPU tests set "cpu"
 
 
@@ -123,14 +124,6 @@ def measure(a) -> dict:
     if dist.is_initialized():
         dist.destroy_process_group()
     return result
-
-
-def bootstrap_interval(a: list, b: list, draws: int = 10000, seed: int = 0) -> tuple:
-    """95 % percentile-bootstrap interval of median(b) - median(a), resampling each side's runs."""
-    rng = random.Random(seed)
-    diffs = sorted(statistics.median(rng.choices(b, k=len(b))) - statistics.median(rng.choices(a, k=len(a)))
-                   for _ in range(draws))
-    return diffs[int(0.025 * draws)], diffs[int(0.975 * draws) - 1]
 
 
 def compare(a_files: list, b_files: list) -> dict:
