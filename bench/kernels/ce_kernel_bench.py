@@ -31,6 +31,12 @@ VARIANTS = [(128, 128, 8), (64, 128, 8), (64, 128, 4), (64, 256, 8), (32, 256, 8
 FORWARD_VARIANTS = [(1, 2048, 8), (2, 2048, 8), (4, 1024, 8), (4, 2048, 8), (8, 512, 8), (8, 1024, 8)]
 
 
+def kernel_ms(fn) -> float:
+    """Median ms of fn over CUDA-event timings (triton.testing.do_bench, 10 warm-up calls, 100 ms of repeats)."""
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
 def plain_forward(logits, targets):
     """(the plain head's summed loss, the per-token log-sum-exp of the softcapped logits)."""
     z = tg.softcap(logits.float())
@@ -46,7 +52,6 @@ def plain_backward(logits, lse, targets, grad, grad_s):
 
 
 def main(argv=None) -> int:
-    import triton.testing
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="ce_kernel.json")
     ap.add_argument("--tokens", type=int, default=49152)
@@ -70,7 +75,7 @@ def main(argv=None) -> int:
     def unfused():
         g = unfused_g(logits, lse, targets, grad, tg.FP8_GRAD_SCALE)
         return g, tg.transpose_bytes(g)
-    rows = {"unfused": dict(ms=triton.testing.do_bench(unfused, warmup=10, rep=100, return_mode="median"))}
+    rows = {"unfused": dict(ms=kernel_ms(unfused))}
     g, g_t = unfused()
     rows["unfused"]["bytes_identical_share"] = (g.view(torch.uint8) == ref).double().mean().item()
     out, out_t = torch.empty((T, V), dtype=torch.uint8, device="cuda"), torch.empty((V, T), dtype=torch.uint8, device="cuda")
@@ -90,7 +95,7 @@ def main(argv=None) -> int:
             rows[name] = dict(error=f"{type(e).__name__}: {e}"[:200])
             continue
         rows[name] = dict(
-            ms=triton.testing.do_bench(fused, warmup=10, rep=100, return_mode="median"),
+            ms=kernel_ms(fused),
             bytes_identical_share=(out == ref).double().mean().item(),
             transpose_exact=bool(torch.equal(out_t, out.t().contiguous())),
             rel_diff=((out.view(torch.float8_e5m2).float() - ref.view(torch.float8_e5m2).float()).norm()
@@ -133,17 +138,14 @@ def floor_bytes(tokens: int, vocab: int) -> int:
 def training_against_floor(logits, targets, grad, out, out_t) -> dict:
     """The trainer's forward and backward passes (its tiles) against floor_bytes at the copy bandwidth of this GPU,
     measured here as a device-to-device copy of the logits (one read, one write)."""
-    import triton.testing
     T, V = logits.shape
     lse, per_token = (torch.empty(T, device="cuda") for _ in range(2))
     copy = torch.empty_like(logits)
-    copy_ms = triton.testing.do_bench(lambda: copy.copy_(logits), warmup=10, rep=100, return_mode="median")
+    copy_ms = kernel_ms(lambda: copy.copy_(logits))
     copy_gb_per_s = 2 * logits.numel() * logits.element_size() / (copy_ms * 1e-3) / 1e9
-    forward_ms = triton.testing.do_bench(lambda: tg.launch_softcap_ce_forward(logits, targets, lse, per_token),
-                                         warmup=10, rep=100, return_mode="median")
-    backward_ms = triton.testing.do_bench(
-        lambda: tg.launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, tg.FP8_GRAD_SCALE),
-        warmup=10, rep=100, return_mode="median")
+    forward_ms = kernel_ms(lambda: tg.launch_softcap_ce_forward(logits, targets, lse, per_token))
+    backward_ms = kernel_ms(lambda: tg.launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t,
+                                                                  tg.FP8_GRAD_SCALE))
     moved = floor_bytes(T, V)
     floor_ms = moved / (copy_gb_per_s * 1e9) * 1e3
     return dict(forward_tile=list(tg.CE_FORWARD_TILE), backward_tile=list(tg.CE_BACKWARD_TILE), forward_ms=forward_ms,
@@ -154,12 +156,10 @@ def training_against_floor(logits, targets, grad, out, out_t) -> dict:
 
 def forward_rows(logits, targets):
     """The forward's log-sum-exp pass: Inductor's against our Triton kernel's tiles (the trainer's fast math)."""
-    import triton.testing
     T, V = logits.shape
     inductor = torch.compile(plain_forward, fullgraph=True, dynamic=False)
     loss_ref, lse_ref = inductor(logits, targets)
-    rows = {"inductor": dict(ms=triton.testing.do_bench(lambda: inductor(logits, targets), warmup=10, rep=100,
-                                                        return_mode="median"))}
+    rows = {"inductor": dict(ms=kernel_ms(lambda: inductor(logits, targets)))}
     lse, per_token = (torch.empty(T, device="cuda") for _ in range(2))
     for cfg in FORWARD_VARIANTS:
         name = ",".join(map(str, cfg))
@@ -173,7 +173,7 @@ def forward_rows(logits, targets):
         except Exception as e:
             rows[name] = dict(error=f"{type(e).__name__}: {e}"[:200])
             continue
-        rows[name] = dict(ms=triton.testing.do_bench(fused, warmup=10, rep=100, return_mode="median"),
+        rows[name] = dict(ms=kernel_ms(fused),
                           lse_max_abs_diff=(lse - lse_ref).abs().max().item(),
                           loss_rel_diff=abs(per_token.sum().item() - loss_ref.item()) / abs(loss_ref.item()))
     for row in rows.values():

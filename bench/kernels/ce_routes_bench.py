@@ -15,7 +15,7 @@ that a route is chosen by measurement before it is built (bench/notes/cross_entr
                  could sum exp per row would start from
 
 A part that fails (a library version without it, a kernel that does not compile) is reported with its error, not
-fatal. Times are medians of triton.testing.do_bench; GB/s counts the bytes each part must move.
+fatal. Times are ce_kernel_bench.kernel_ms's medians; GB/s counts the bytes each part must move.
 """
 import argparse
 import json
@@ -26,14 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
-from ce_kernel_bench import training_against_floor  # noqa: E402
+from ce_kernel_bench import kernel_ms, training_against_floor  # noqa: E402
 
 VOCAB, WIDTH = 50304, 768
-
-
-def timed(fn) -> float:
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
 def part(rows: dict, name: str, fn, bytes_moved: int, **extra):
@@ -41,7 +36,7 @@ def part(rows: dict, name: str, fn, bytes_moved: int, **extra):
     try:
         fn()
         torch.cuda.synchronize()
-        ms = timed(fn)
+        ms = kernel_ms(fn)
         rows[name] = dict(ms=ms, bytes=bytes_moved, GB_per_s=bytes_moved / (ms * 1e-3) / 1e9, **extra)
     except Exception as e:  # noqa: BLE001 (a part this machine cannot run is a result too)
         rows[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
