@@ -486,11 +486,9 @@ def measure_normuon_groups(muon, peak_flops: float, repeats: int = 10) -> dict:
         rows, cols = grads.shape[-2:]
         matrices, rows = (4 * n, rows // 4) if layout["is_attn"] else (n, rows)
         snapshot = [p.detach().clone() for p in group["params"][layout["lo"]:layout["hi"]]]
-        muon._update_shard(group, layout, grads)  # its buffers made, outside the profile
-        prof = profile_of(lambda: [muon._update_shard(group, layout, grads) for _ in range(repeats)])
+        ms = gpu_ms(lambda: muon._update_shard(group, layout, grads), repeats)
         for p, saved in zip(group["params"][layout["lo"]:layout["hi"]], snapshot):  # the weights as they were
             p.copy_(saved)
-        ms = sum(b - a for _, a, b in profile_kernels(prof)) / repeats
         flops = polar_flops(matrices, rows, cols, iterations)
         out[group["label"]] = dict(matrices=matrices, shape=[rows, cols], gpu_ms=ms, orthogonalizer_flops=flops,
                                    flop_time_ms=1e3 * flops / peak_flops, ratio=ms / (1e3 * flops / peak_flops))
@@ -572,6 +570,14 @@ def profile_of(step, record_shapes: bool = False):
         step()
         torch.cuda.synchronize()
     return prof
+
+
+def gpu_ms(fn, repeats: int) -> float:
+    """GPU time of fn per call: fn once outside the profile (its buffers made, its kernels compiled), then the kernels
+    of `repeats` calls summed from a profile."""
+    fn()
+    prof = profile_of(lambda: [fn() for _ in range(repeats)])
+    return sum(b - a for _, a, b in profile_kernels(prof)) / repeats
 
 
 def profiled(step, title: str) -> str:

@@ -46,13 +46,6 @@ def gaussian_gradients(tg, muon, seed: int = 0):
             t.copy_(torch.randn(t.shape, device=DEVICE, generator=gen) * 1e-3)
 
 
-def kernel_ms(bench, fn, repeats: int) -> float:
-    """GPU time of fn: the sum of its kernels over `repeats` calls, per call."""
-    fn()
-    prof = bench.profile_of(lambda: [fn() for _ in range(repeats)])
-    return sum(b - a for _, a, b in bench.profile_kernels(prof)) / repeats
-
-
 def orthogonalizer_tiles(tg, bench, muon, repeats: int) -> dict:
     """Per group with Triton kernels: the orthogonalizer on the group's shard (uncompiled) with the tiles
     kernel_config picks, and with 128x128 and 64x64 forced."""
@@ -79,7 +72,7 @@ def orthogonalizer_tiles(tg, bench, muon, repeats: int) -> dict:
         for name, config in (("rule", rule), ("128", forced(128)), ("64", forced(64))):
             tg.kernel_config = config
             try:
-                row[name] = kernel_ms(bench, lambda: tg.polar_express(G, turbo=muon.turbo), repeats)
+                row[name] = bench.gpu_ms(lambda: tg.polar_express(G, turbo=muon.turbo), repeats)
             finally:
                 tg.kernel_config = rule
         row["rule_tiles"] = rule("xxt", G.size(0), min(G.shape[-2:]), max(G.shape[-2:]), torch.bfloat16)["BLOCK_M"]
@@ -107,7 +100,7 @@ def measure(a) -> dict:
         muon.step()  # every compiled helper made, outside the measurements
         groups = bench.measure_normuon_groups(muon, peak, repeats=a.repeats)
         gaussian_gradients(tg, muon)
-        step_gpu_ms = kernel_ms(bench, muon.step, a.repeats)
+        step_gpu_ms = bench.gpu_ms(muon.step, a.repeats)
         step_wall_ms = statistics.median(bench.timed(muon.step, a.repeats))
         tiles = orthogonalizer_tiles(tg, bench, muon, a.repeats) if a.tiles else None
     cuda = DEVICE == "cuda"
