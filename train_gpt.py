@@ -444,15 +444,16 @@ def flash_attention(q, k, v, cu_seqlens, max_seqlen, window_table, window_row):
     attend = attention_varlen if q.is_cuda else attention_reference
     return attend(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)
 
-def attention(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-              window_table: Tensor, window_row: int) -> Tensor:
+def attention(qkv: Tensor, ve: Tensor | None, gate: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor,
+              max_seqlen: int, window_table: Tensor, window_row: int) -> Tensor:
     """The plain attention from the raw projections qkv (T, 3·heads, head_dim): RMS norm and rotary on q and k, the
-    value embedding ve (T, heads, head_dim) added to v, FlashAttention. Returns (T, heads, head_dim)."""
+    value embedding ve (T, heads, head_dim) added to v, FlashAttention, each head's output scaled by the sigmoid of
+    its gate logit (gate: (T, heads)). Returns (T, heads, head_dim)."""
     q, k, v = qkv.chunk(3, dim=1)
     q, k = rotary(norm(q), cos, sin), rotary(norm(k), cos, sin)
     if ve is not None:
         v = v + ve
-    return flash_attention(q, k, v, cu_seqlens, max_seqlen, window_table, window_row)
+    return flash_attention(q, k, v, cu_seqlens, max_seqlen, window_table, window_row) * torch.sigmoid(gate)[..., None]
 
 def attention_output(residual: Tensor, y: Tensor, w: Tensor) -> Tensor:
     """The attention's output projection added to the residual stream: residual + y wᵀ."""
@@ -724,9 +725,9 @@ class CausalSelfAttention(nn.Module):
         # sa_lambdas are folded into the weights (a 768x2304 multiply is cheaper than a T x 2304 one).
         qkv = F.linear(x, sa_lambdas[0] * w[:3 * d]).view(T, 3 * self.num_heads, self.head_dim)
         ve = None if ve is None else ve.view(T, self.num_heads, self.head_dim)
-        y = kernels["attention"](qkv, ve, docs.cos, docs.sin, docs.cu_seqlens, docs.max_seqlen, docs.window_table,
+        gate = F.linear(gate_input(x), self.attn_gate.weight)
+        y = kernels["attention"](qkv, ve, gate, docs.cos, docs.sin, docs.cu_seqlens, docs.max_seqlen, docs.window_table,
                                  window_row)
-        y = y * torch.sigmoid(F.linear(gate_input(x), self.attn_gate.weight)).unsqueeze(-1)
         return kernels["attention_output"](residual, y.reshape(T, d), sa_lambdas[1] * w[3 * d:])
 
 class MLP(nn.Module):
@@ -2104,6 +2105,7 @@ class FusedKernel:
     follows: tuple         # the plain functions whose code the fused kernel computes
     fingerprint: str       # code_fingerprint(*follows) when the fused kernel was last checked against it
     check_here: object     # check_here(fp8) raises where the fused kernel cannot run (no GPU, library missing)
+    note_here: object = None  # note_here() -> a line for the log where the kernel runs in a lesser way, or None
 
 FUSED_KERNELS = {}  # name -> FusedKernel, each registered beside its fused kernel
 
@@ -2141,6 +2143,8 @@ def resolve_kernels(requested: str, device: str, fp8: bool) -> tuple[dict, list]
                               f"has changed: run with --kernels plain (or leave {name} out of --kernels), or update "
                               f"the fused kernel and FUSED_KERNELS['{name}'].fingerprint")
         chosen[name] = kernel.fused
+        if kernel.note_here is not None and (note := kernel.note_here()):
+            notes.append(f"kernels: {name}: {note}")
     if requested == "fused" and device != "cuda":
         notes.append(f"kernels: no fused kernel runs on the {device}: the plain functions, as --kernels plain")
     return chosen, notes
@@ -2165,18 +2169,76 @@ def fa4_forward(q, k, v, cu_seqlens, max_seqlen: int, window_table, window_row: 
     return out, lse
 
 def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, window_table, window_row: int,
-                 dq, dk, dv) -> None:
-    """Writes the gradients into dq, dk, dv (views of the caller's gradient buffers)."""
+                 dq, dk, dv, fill_grad_out=None) -> None:
+    """Writes the gradients into dq, dk, dv (views of the caller's gradient buffers). fill_grad_out(dpsum, lse_log2,
+    dq_accum) writes grad_out first: where FA4 is the version whose buffers it knows, it gets them and does FA4's
+    preprocess's work too (the row sums of grad_out·out, lse in log2 units and the zeroed dQ accumulator, in FA4's
+    padded layout); elsewhere it gets None for all three and FA4's preprocess runs after it."""
     scale, window = scale_and_window(window_table, window_row)
-    fa4_interface()._flash_attn_bwd(
-        q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
-        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-        dq=dq, dk=dk, dv=dv)
+    fa4 = fa4_interface()
+    if fill_grad_out is not None and not fa4_preprocess_replaceable():
+        fill_grad_out(None, None, None)
+        fill_grad_out = None
+    preprocess, ran = (fa4._bwd_preprocess if fill_grad_out else None), []
+
+    def our_preprocess(*args, **kwargs):
+        a = inspect.signature(preprocess).bind(*args, **kwargs).arguments
+        known = (a.get("m_block_size") == 64 and a.get("head_dim") == a.get("head_dim_v") == 128
+                 and a.get("use_padded_offsets", True) and not a.get("pack_gqa", False)
+                 and a.get("dlse") is None and a.get("seqused_q") is None and a.get("row_max") is None)
+        ran.append(known)
+        if known:
+            fill_grad_out(a["dpsum"], a["lse_log2"], a["dq_accum"])
+        else:
+            fill_grad_out(None, None, None)
+            preprocess(*args, **kwargs)
+    if fill_grad_out:  # FA4 looks its preprocess up as a module global at each call
+        fa4._bwd_preprocess = our_preprocess
+    try:
+        fa4._flash_attn_bwd(
+            q, k, v, out, grad_out, lse, scale, True, 0.0, window_size_left=window, window_size_right=0,
+            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+            dq=dq, dk=dk, dv=dv)
+    finally:
+        if fill_grad_out:
+            fa4._bwd_preprocess = preprocess
+    if fill_grad_out and len(ran) != 1:
+        raise RuntimeError(f"FlashAttention-4 {FA4_PREPROCESS_VERSION} called its preprocess {len(ran)} times, not "
+                           f"once: its backward is not the one fa4_backward was written for")
+
+# FA4's backward starts with a pass of its own over out and grad_out (the row sums of their product), which the
+# attention gate's backward, reading the same two to write grad_out, can do on the way; that pass also puts lse in
+# log2 units and zeroes FA4's fp32 dQ accumulator, all in FA4's padded layout of 4.0.0b36 (bench/notes/
+# fa4_backward_sm90.md). Another version keeps its own preprocess, and the log says so.
+FA4_PREPROCESS_VERSION = "4.0.0b36"
+
+@functools.cache
+def fa4_preprocess_replaceable() -> bool:
+    import importlib.metadata
+    try:
+        return (importlib.metadata.version("flash-attn-4") == FA4_PREPROCESS_VERSION
+                and torch.cuda.get_device_capability()[0] == 9)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+def fa4_preprocess_note() -> str | None:
+    if fa4_preprocess_replaceable():
+        return None
+    import importlib.metadata
+    try:
+        version = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        version = "not installed as flash-attn-4"
+    return (f"FlashAttention-4 runs its own backward preprocess (the attention gate's backward does its work for "
+            f"{FA4_PREPROCESS_VERSION} on Hopper only; this is {version}, compute capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))})")
 
 # q/k RMS norm and rotary in one Triton pass inside the FlashAttention-4 op (Inductor parks the rotated rows in fp32
 # scratch and copies dv into the qkv gradient in one more pass): the forward reads each raw q/k row once, the
 # backward lets FlashAttention-4 write dv into its slot of the qkv gradient and fills the q and k slots in one pass.
-# The math is norm() and rotary()'s, in fp32 with one rounding at the store (tests pin it against them).
+# The math is norm() and rotary()'s, in fp32 with one rounding at the store (tests pin it against them). The gate
+# rides in the op too, so that its backward, which reads FA4's output and writes FA4's dout, does the work of FA4's
+# backward preprocess on the way (fa4_backward).
 
 if triton is not None:
 
@@ -2237,6 +2299,90 @@ if triton is not None:
         tl.store(d_qkv + offset, ((g1 - x1 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
         tl.store(d_qkv + offset + D // 2, ((g2 - x2 * dot) * r).to(d_qkv.dtype.element_ty), mask=mask)
 
+if triton is not None:
+
+    @triton.jit
+    def _attention_gate_kernel(out, gate, y, rows_total, D: tl.constexpr, BLOCK_R: tl.constexpr):
+        # y = out · sigmoid(gate), row r = token·heads + head of out (T, heads, D) and of gate (T, heads); in fp32,
+        # rounded once, as Inductor compiles the plain attention's product.
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < rows_total)[:, None]
+        at = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+        o = tl.load(out + at, mask=mask, other=0.0).to(tl.float32)
+        g = tl.sigmoid(tl.load(gate + rows, mask=rows < rows_total, other=0.0).to(tl.float32))
+        tl.store(y + at, (o * g[:, None]).to(y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _attention_gate_backward_kernel(grad_y, out, gate, lse, cu_seqlens, documents, d_out, d_gate, dpsum,
+                                        lse_log2, dq_accum, T, padded_rows, HEADS: tl.constexpr, D: tl.constexpr,
+                                        DOCUMENTS: tl.constexpr, FA4: tl.constexpr):
+        # The gate's backward for 64 rows of one head: d_out = grad_y·σ (bf16, FA4's dout), d_gate =
+        # Σ grad_y·out·σ(1-σ). The rows are FA4's padded tile: document b's rows start at the padded row
+        # cu[b] + 64·b - cu[b] % 64 and fill whole tiles. FA4: also FA4's preprocess for the tile, in its buffers:
+        # dpsum = Σ d_out·out (0 past the document), lse_log2 = lse·log2(e) (0 for -inf; +inf past the document,
+        # which keeps those rows out of dK and dV), and the tile's 64 x D floats of the dQ accumulator zeroed.
+        row0 = tl.program_id(0) * 64
+        head = tl.program_id(1)
+        b = tl.arange(0, DOCUMENTS)
+        start = tl.load(cu_seqlens + b, mask=b < documents, other=0)
+        length = tl.load(cu_seqlens + b + 1, mask=b < documents, other=0) - start
+        padded = start + 64 * b - start % 64
+        here = (b < documents) & (padded <= row0) & (row0 < padded + (length + 63) // 64 * 64)
+        doc = tl.max(tl.where(here, b, -1), axis=0)
+        if doc >= 0:
+            in_doc = row0 - tl.sum(tl.where(b == doc, padded, 0), axis=0)
+            rows = tl.sum(tl.where(b == doc, length, 0), axis=0) - in_doc  # rows of this tile that are tokens
+            m = tl.arange(0, 64)
+            valid = m < rows
+            token = (tl.sum(tl.where(b == doc, start, 0), axis=0) + in_doc + m).to(tl.int64)
+            at = (token * HEADS + head)[:, None] * D + tl.arange(0, D)[None, :]
+            g = tl.load(grad_y + at, mask=valid[:, None], other=0.0).to(tl.float32)
+            o = tl.load(out + at, mask=valid[:, None], other=0.0).to(tl.float32)
+            s = tl.sigmoid(tl.load(gate + token * HEADS + head, mask=valid, other=0.0).to(tl.float32))
+            do = (g * s[:, None]).to(d_out.dtype.element_ty)
+            tl.store(d_out + at, do, mask=valid[:, None])
+            tl.store(d_gate + token * HEADS + head, (tl.sum(g * o, 1) * s * (1.0 - s)).to(d_gate.dtype.element_ty),
+                     mask=valid)
+            if FA4:
+                row_sum = tl.sum(do.to(tl.float32) * o, 1)
+                row_lse = tl.load(lse + head * T + token, mask=valid, other=0.0)
+                row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse * 1.4426950408889634)
+                at_padded = head.to(tl.int64) * padded_rows + row0 + m
+                tl.store(dpsum + at_padded, tl.where(valid, row_sum, 0.0))
+                tl.store(lse_log2 + at_padded, tl.where(valid, row_lse, float("inf")))
+                accum = dq_accum + (head.to(tl.int64) * padded_rows + row0) * D
+                tl.store(accum + tl.arange(0, 64 * D), tl.zeros([64 * D], dtype=tl.float32))
+
+ATTENTION_GATE_ROWS = 32  # head rows per program of _attention_gate_kernel
+
+def attention_gate(out: Tensor, gate: Tensor) -> Tensor:
+    """out (T, heads, D) · sigmoid(gate (T, heads)), in out's dtype."""
+    T, heads, D = out.shape
+    assert out.is_contiguous() and gate.is_contiguous() and gate.shape == (T, heads)
+    y = torch.empty_like(out)
+    _attention_gate_kernel[(triton.cdiv(T * heads, ATTENTION_GATE_ROWS),)](
+        out, gate, y, T * heads, D=D, BLOCK_R=ATTENTION_GATE_ROWS, num_warps=4)
+    return y
+
+def attention_gate_backward(grad_y: Tensor, out: Tensor, gate: Tensor, lse: Tensor, cu_seqlens: Tensor,
+                            d_out: Tensor, d_gate: Tensor, dpsum: Tensor = None, lse_log2: Tensor = None,
+                            dq_accum: Tensor = None) -> None:
+    """Writes d_out (FA4's dout) and d_gate; given FA4's preprocess buffers (dpsum, lse_log2 (heads, padded rows),
+    dq_accum (heads, padded rows · D)), also what FA4's preprocess writes there."""
+    T, heads, D = out.shape
+    assert grad_y.is_contiguous() and out.is_contiguous() and gate.is_contiguous() and lse.is_contiguous()
+    documents = cu_seqlens.numel() - 1
+    fa4 = dpsum is not None
+    padded_rows = dpsum.size(1) if fa4 else triton.cdiv(T + 64 * documents, 64) * 64
+    if fa4:
+        assert dpsum.shape == lse_log2.shape == (heads, padded_rows) and dq_accum.shape == (heads, padded_rows * D)
+        assert dpsum.is_contiguous() and lse_log2.is_contiguous() and dq_accum.is_contiguous()
+        assert padded_rows >= T + 64 * documents  # every document's tiles fit
+    _attention_gate_backward_kernel[(triton.cdiv(T + 64 * documents, 64), heads)](
+        grad_y, out, gate, lse, cu_seqlens, documents, d_out, d_gate, dpsum if fa4 else d_gate,
+        lse_log2 if fa4 else d_gate, dq_accum if fa4 else d_gate, T, padded_rows, HEADS=heads, D=D,
+        DOCUMENTS=triton.next_power_of_2(documents), FA4=fa4, num_warps=4)
+
 QK_NORM_ROPE_ROWS = 32  # head rows per program: 32 x 128 elements in flight each way
 
 def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -2277,58 +2423,67 @@ def qk_norm_rope_backward(d_qk: Tensor, qkv: Tensor, rstd: Tensor, cos: Tensor, 
         d_qk, qkv, rstd, cos, sin, d_qkv, rows, HEADS2=heads2, D=D, ROW_STRIDE=heads3 * D,
         BLOCK_R=QK_NORM_ROPE_ROWS, num_warps=4)
 
-@torch.library.custom_op("speedrun::fa4_qkv", mutates_args=())
-def fa4_qkv(qkv: Tensor, ve: Tensor | None, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-            window_table: Tensor, window_row: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """attention() with FlashAttention-4: (out, lse, and for the backward the rotated q|k, the v it read when ve is
-    given (else empty: v is a view of qkv), the norm's 1/rms)."""
+@torch.library.custom_op("speedrun::fa4_gated_qkv", mutates_args=())
+def fa4_gated_qkv(qkv: Tensor, ve: Tensor | None, gate: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor,
+                  max_seqlen: int, window_table: Tensor, window_row: int
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """attention() with FlashAttention-4: (the gated output, and for the backward FA4's out and lse, the rotated
+    q|k, the v it read when ve is given (else empty: v is a view of qkv), the norm's 1/rms)."""
     heads = qkv.size(1) // 3
     qk, rstd = qk_norm_rope(qkv, cos, sin)
     v = qkv[:, 2 * heads:] if ve is None else add_value_embedding(qkv, ve)
     out, lse = fa4_forward(qk[:, :heads], qk[:, heads:], v, cu_seqlens, max_seqlen, window_table, window_row)
-    return out, lse, qk, (v if ve is not None else qkv.new_empty(0)), rstd
+    out = out.contiguous()  # FA4's is (a stand-in's may not be)
+    return attention_gate(out, gate), out, lse, qk, (v if ve is not None else qkv.new_empty(0)), rstd
 
-@fa4_qkv.register_fake
-def _(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
+@fa4_gated_qkv.register_fake
+def _(qkv, ve, gate, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
     T, heads3, D = qkv.shape
     heads = heads3 // 3
-    return (qkv.new_empty((T, heads, D)), qkv.new_empty((heads, T), dtype=torch.float32),
-            qkv.new_empty((T, 2 * heads, D)), qkv.new_empty((T, heads, D) if ve is not None else (0,)),
+    return (qkv.new_empty((T, heads, D)), qkv.new_empty((T, heads, D)),
+            qkv.new_empty((heads, T), dtype=torch.float32), qkv.new_empty((T, 2 * heads, D)),
+            qkv.new_empty((T, heads, D) if ve is not None else (0,)),
             qkv.new_empty((T, 2 * heads), dtype=torch.float32))
 
-@torch.library.custom_op("speedrun::fa4_qkv_backward", mutates_args=())
-def fa4_qkv_backward(grad_out: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, out: Tensor, lse: Tensor, qk: Tensor,
-                     v_used: Tensor, rstd: Tensor, cu_seqlens: Tensor, max_seqlen: int, window_table: Tensor,
-                     window_row: int) -> Tensor:
-    """The gradient of qkv, written in place by FlashAttention-4's backward (dv) and the norm + rotary backward."""
+@torch.library.custom_op("speedrun::fa4_gated_qkv_backward", mutates_args=())
+def fa4_gated_qkv_backward(grad_y: Tensor, qkv: Tensor, gate: Tensor, cos: Tensor, sin: Tensor, out: Tensor,
+                           lse: Tensor, qk: Tensor, v_used: Tensor, rstd: Tensor, cu_seqlens: Tensor,
+                           max_seqlen: int, window_table: Tensor, window_row: int) -> tuple[Tensor, Tensor]:
+    """(the gradient of qkv, written in place by FlashAttention-4's backward (dv) and the norm + rotary backward;
+    the gradient of gate, from the gate's backward, which also writes FA4's dout and does its preprocess's work)."""
     heads = qkv.size(1) // 3
     v = v_used if v_used.numel() else qkv[:, 2 * heads:]
-    d_qkv, d_qk = torch.empty_like(qkv), torch.empty_like(qk)
-    fa4_backward(grad_out, qk[:, :heads], qk[:, heads:], v, out, lse, cu_seqlens, max_seqlen, window_table, window_row,
-                 dq=d_qk[:, :heads], dk=d_qk[:, heads:], dv=d_qkv[:, 2 * heads:])
+    d_qkv, d_qk, d_out, d_gate = (torch.empty_like(t) for t in (qkv, qk, out, gate))
+
+    def fill_d_out(dpsum, lse_log2, dq_accum):
+        attention_gate_backward(grad_y, out, gate, lse, cu_seqlens, d_out, d_gate, dpsum, lse_log2, dq_accum)
+    fa4_backward(d_out, qk[:, :heads], qk[:, heads:], v, out, lse, cu_seqlens, max_seqlen, window_table, window_row,
+                 dq=d_qk[:, :heads], dk=d_qk[:, heads:], dv=d_qkv[:, 2 * heads:], fill_grad_out=fill_d_out)
     qk_norm_rope_backward(d_qk, qkv, rstd, cos, sin, d_qkv)
-    return d_qkv
+    return d_qkv, d_gate
 
-@fa4_qkv_backward.register_fake
-def _(grad_out, qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, max_seqlen, window_table, window_row):
-    return torch.empty_like(qkv)
+@fa4_gated_qkv_backward.register_fake
+def _(grad_y, qkv, gate, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, max_seqlen, window_table, window_row):
+    return torch.empty_like(qkv), torch.empty_like(gate)
 
-def _fa4_qkv_setup_context(ctx, inputs, output):
-    qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row = inputs
-    ctx.save_for_backward(qkv, cos, sin, *output, cu_seqlens, window_table)  # output: out, lse, qk, v_used, rstd
+def _fa4_gated_qkv_setup_context(ctx, inputs, output):
+    qkv, ve, gate, cos, sin, cu_seqlens, max_seqlen, window_table, window_row = inputs
+    ctx.save_for_backward(qkv, gate, cos, sin, *output[1:], cu_seqlens, window_table)  # out, lse, qk, v_used, rstd
     ctx.max_seqlen, ctx.window_row, ctx.has_ve = max_seqlen, window_row, ve is not None
 
-def _fa4_qkv_backward(ctx, grad_out, *_):
-    qkv, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, window_table = ctx.saved_tensors
-    d_qkv = torch.ops.speedrun.fa4_qkv_backward(grad_out.contiguous(), qkv, cos, sin, out, lse, qk, v_used, rstd,
-                                                cu_seqlens, ctx.max_seqlen, window_table, ctx.window_row)
+def _fa4_gated_qkv_backward(ctx, grad_y, *_):
+    qkv, gate, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, window_table = ctx.saved_tensors
+    d_qkv, d_gate = torch.ops.speedrun.fa4_gated_qkv_backward(
+        grad_y.contiguous(), qkv, gate, cos, sin, out, lse, qk, v_used, rstd, cu_seqlens, ctx.max_seqlen,
+        window_table, ctx.window_row)
     d_ve = d_qkv[:, 2 * (qkv.size(1) // 3):] if ctx.has_ve else None  # v = qkv's v heads + ve: the same gradient
-    return d_qkv, d_ve, None, None, None, None, None, None
+    return d_qkv, d_ve, d_gate, None, None, None, None, None, None
 
-fa4_qkv.register_autograd(_fa4_qkv_backward, setup_context=_fa4_qkv_setup_context)
+fa4_gated_qkv.register_autograd(_fa4_gated_qkv_backward, setup_context=_fa4_gated_qkv_setup_context)
 
-def fused_attention(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
-    return torch.ops.speedrun.fa4_qkv(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row)[0]
+def fused_attention(qkv, ve, gate, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
+    return torch.ops.speedrun.fa4_gated_qkv(qkv, ve, gate.contiguous(), cos, sin, cu_seqlens, max_seqlen,
+                                            window_table, window_row)[0]
 
 def fa4_on_this_gpu():
     if torch.cuda.get_device_capability()[0] < 9:
@@ -2336,7 +2491,8 @@ def fa4_on_this_gpu():
     return fa4_interface()
 
 FUSED_KERNELS["attention"] = FusedKernel(attention, fused_attention, (attention, rotary, norm, flash_attention,
-                                         scale_and_window), "beb42ed1db10", lambda fp8: fa4_on_this_gpu())
+                                         scale_and_window), "3ae62c9b8f28", lambda fp8: fa4_on_this_gpu(),
+                                         fa4_preprocess_note)
 
 @functools.cache
 def quack_gemm():

@@ -37,15 +37,16 @@ def random_batch(T, num_docs=4, seed=0):
     return ids[:-1].to(torch.int32), ids[1:].to(torch.int64), cu
 
 
-def traceable_attention(qkv, ve, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
+def traceable_attention(qkv, ve, gate, cos, sin, cu_seqlens, max_seqlen, window_table, window_row):
     """A stand-in for `attention` that torch.compile can trace (the CPU's reference attention loops over documents in
-    Python): the plain q/k norm and rotary, v (+ ve), and the window table's row used as data, as the real kernels
-    use it. No mixing across tokens: these tests are about graphs, not attention."""
+    Python): the plain q/k norm and rotary, v (+ ve), the window table's row used as data, as the real kernels use
+    it, and the gate. No mixing across tokens: these tests are about graphs, not attention."""
     q, k, v = qkv.chunk(3, dim=1)
     q, k = tg.rotary(tg.norm(q), cos, sin), tg.rotary(tg.norm(k), cos, sin)
     if ve is not None:
         v = v + ve
-    return v * (window_table[window_row, 0] * window_table[window_row, 1]).to(v.dtype) + q * k
+    y = v * (window_table[window_row, 0] * window_table[window_row, 1]).to(v.dtype) + q * k
+    return y * torch.sigmoid(gate)[..., None]
 
 
 TRACEABLE = dict(PLAIN, attention=traceable_attention)
@@ -729,7 +730,8 @@ def test_varlen_attention_op_autograd_wiring_traces_with_its_fakes():
 
 def test_attention_on_the_cpu_is_the_reference_on_normed_rotated_q_and_k():
     """The plain `attention` from raw projections: rotary(norm(.)) of q and k, v + ve, then the CPU's reference
-    attention, against the same lines written out over the dense masked SDPA (float64)."""
+    attention, each head scaled by its gate's sigmoid, against the same lines written out over the dense masked SDPA
+    (float64)."""
     torch.manual_seed(0)
     T, H, D = 64, 2, 16
     yarn = tg.Yarn(D, 128)
@@ -737,9 +739,11 @@ def test_attention_on_the_cpu_is_the_reference_on_normed_rotated_q_and_k():
     cos, sin = yarn.cos.double(), yarn.sin.double()
     qkv, ve = torch.randn(T, 3 * H, D, dtype=torch.float64), torch.randn(T, H, D, dtype=torch.float64)
     cu = tg.pack_cu_seqlens([20, 31, 13], T, 8)
-    out = tg.attention(qkv, ve, cos, sin, cu, 31, window_table(0.3, 9, short_window=4), 0)
+    gate = torch.randn(T, H, dtype=torch.float64)
+    out = tg.attention(qkv, ve, gate, cos, sin, cu, 31, window_table(0.3, 9, short_window=4), 0)
     q, k, v = qkv.view(T, 3, H, D).unbind(1)
     ref = dense_reference(tg.rotary(tg.norm(q), cos, sin), tg.rotary(tg.norm(k), cos, sin), v + ve, cu, 0.3, 4)
+    ref = ref * torch.sigmoid(gate).unsqueeze(-1)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -802,14 +806,16 @@ def test_fused_attention_op_fakes_trace_forward_and_backward():
     yarn = tg.Yarn(8, 64)
     with FakeTensorMode(allow_non_fake_inputs=True):
         for ve in (None, torch.randn(40, 2, 8, requires_grad=True)):
-            qkv = torch.randn(40, 6, 8, requires_grad=True)
-            args = (qkv, ve, yarn.cos, yarn.sin, torch.zeros(8, dtype=torch.int32), 40, window_table(0.5, 16), 1)
-            out, lse, qk, v_used, rstd = torch.ops.speedrun.fa4_qkv(*args)
-            assert [tuple(t.shape) for t in (out, lse, qk, rstd)] == [(40, 2, 8), (2, 40), (40, 4, 8), (40, 4)]
+            qkv, gate = torch.randn(40, 6, 8, requires_grad=True), torch.randn(40, 2, requires_grad=True)
+            args = (qkv, ve, gate, yarn.cos, yarn.sin, torch.zeros(8, dtype=torch.int32), 40, window_table(0.5, 16), 1)
+            y, out, lse, qk, v_used, rstd = torch.ops.speedrun.fa4_gated_qkv(*args)
+            assert [tuple(t.shape) for t in (y, out, lse, qk, rstd)] == [(40, 2, 8), (40, 2, 8), (2, 40), (40, 4, 8),
+                                                                          (40, 4)]
             assert tuple(v_used.shape) == ((40, 2, 8) if ve is not None else (0,))
             assert tuple(tg.fused_attention(*args).shape) == (40, 2, 8)
-            grads = torch.autograd.grad(out.sum(), (qkv,) if ve is None else (qkv, ve))
-            assert [tuple(g.shape) for g in grads] == [(40, 6, 8)] + ([(40, 2, 8)] if ve is not None else [])
+            grads = torch.autograd.grad(y.sum(), (qkv, gate) if ve is None else (qkv, ve, gate))
+            ve_grad = [(40, 2, 8)] if ve is not None else []
+            assert [tuple(g.shape) for g in grads] == [(40, 6, 8)] + ve_grad + [(40, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -817,7 +823,8 @@ def interpreter_runs():
     """The Triton-interpreter scripts of this module (below), run together in one fresh process."""
     return run_scripts_in_triton_interpreter(dict(fused_attention=FUSED_ATTENTION_SCRIPT,
                                                   qk_norm_rope=QK_NORM_ROPE_SCRIPT,
-                                                  value_embedding=VALUE_EMBEDDING_SCRIPT))
+                                                  value_embedding=VALUE_EMBEDDING_SCRIPT,
+                                                  fa4_preprocess=FA4_PREPROCESS_SCRIPT))
 
 
 FUSED_ATTENTION_SCRIPT = """
@@ -836,14 +843,14 @@ for T, H, D, lengths in [(64, 2, 16, [20, 31, 13]), (37, 3, 32, [1, 26, 10])]:
         cos, sin = yarn.cos.float(), yarn.sin.float()
         cu = tg.pack_cu_seqlens(lengths, T, 8)
         table = window_table(0.3, 9, short_window=4)
-        qkv0, ve0 = torch.randn(T, 3 * H, D) * 2, torch.randn(T, H, D)
+        qkv0, ve0, gate0 = torch.randn(T, 3 * H, D) * 2, torch.randn(T, H, D), torch.randn(T, H)
         dout = torch.randn(T, H, D)
         results = []
         for attend in (tg.fused_attention, tg.attention):
             ReferenceFA4.calls = []
-            qkv, ve = qkv0.clone().requires_grad_(), ve0.clone().requires_grad_()
-            y = attend(qkv, ve if with_ve else None, cos, sin, cu, max(lengths), table, 0)
-            grads = torch.autograd.grad(y, (qkv, ve) if with_ve else (qkv,), dout)
+            qkv, ve, gate = qkv0.clone().requires_grad_(), ve0.clone().requires_grad_(), gate0.clone().requires_grad_()
+            y = attend(qkv, ve if with_ve else None, gate, cos, sin, cu, max(lengths), table, 0)
+            grads = torch.autograd.grad(y, (qkv, ve, gate) if with_ve else (qkv, gate), dout)
             results.append((y, grads, ReferenceFA4.calls))
         (y, grads, calls), (ref, ref_grads, _) = results
         rel = lambda a, b: ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
@@ -855,7 +862,8 @@ print(json.dumps(out))
 
 def test_fused_attention_equals_the_plain_attention_forward_and_backward(interpreter_runs):
     """fused_attention (the Triton q/k norm + rotary pass, v + ve, FlashAttention-4 stood in by dense attention; dv
-    written into the qkv gradient, ve's gradient = dv) against the plain `attention` and autograd of it, fp32 in the
+    written into the qkv gradient, ve's gradient = dv; the gate's Triton passes) against the plain `attention` and
+    autograd of it, fp32 in the
     Triton interpreter, YaRN-stretched tables, with and without the value embedding; FA4 gets the short window and
     the scale of the table's row 0, causal, in both passes."""
     rows = interpreted(interpreter_runs, "fused_attention")
@@ -864,7 +872,7 @@ def test_fused_attention_equals_the_plain_attention_forward_and_backward(interpr
         assert row["calls"] == [["fwd", 0.3, True, 4, 0, True, row["max_seqlen"], True],
                                 ["bwd", 0.3, True, 4, 0, 0.0]], row
         assert row["out_rel_err"] < 1e-5, row
-        assert len(row["grad_rel_errs"]) == (2 if row["case"][3] else 1) and max(row["grad_rel_errs"]) < 1e-5, row
+        assert len(row["grad_rel_errs"]) == (3 if row["case"][3] else 2) and max(row["grad_rel_errs"]) < 1e-5, row
 
 
 QK_NORM_ROPE_SCRIPT = """
@@ -934,3 +942,116 @@ def test_value_embedding_pass_equals_the_plain_addition_of_the_strided_v_heads(i
     assert len(rows) == 6
     for row in rows:
         assert row["equal"] and row["contiguous"] and row["shape"] == row["case"][:3], row
+
+
+# FlashAttention-4 4.0.0b36's backward preprocess on sm90 (bench/notes/fa4_backward_sm90.md), written out: per head,
+# document b's rows from the padded row cu[b] + 64·b - cu[b] % 64 on, in whole 64-row tiles; dpsum = the row sums of
+# dout·out (0 past the document), lse_log2 = lse·log2(e) (0 for -inf, +inf past the document), and each tile's
+# 64 x head_dim floats of the dQ accumulator zeroed. Rows between documents are not FA4's to write: NaN here.
+FA4_PREPROCESS_SCRIPT = """
+import json, math, sys, torch
+sys.path.insert(0, "tests")
+import train_gpt as tg
+from test_model import ReferenceFA4, window_table
+assert tg._TRITON_INTERPRET
+
+
+def reference_preprocess(out, dout, lse, cu, padded_rows):
+    T, H, D = out.shape
+    dpsum, lse_log2 = torch.full((H, padded_rows), float("nan")), torch.full((H, padded_rows), float("nan"))
+    accum = torch.full((H, padded_rows * D), float("nan"))
+    for b in range(cu.numel() - 1):
+        start, length = int(cu[b]), int(cu[b + 1] - cu[b])
+        padded, rows = start + 64 * b - start % 64, (length + 63) // 64 * 64
+        sums = (dout[start:start + length].float() * out[start:start + length].float()).sum(-1).t()
+        dpsum[:, padded:padded + rows] = 0.0
+        dpsum[:, padded:padded + length] = sums
+        lse_log2[:, padded:padded + rows] = float("inf")
+        tokens = lse[:, start:start + length]
+        lse_log2[:, padded:padded + length] = torch.where(tokens == float("-inf"), 0.0, tokens * math.log2(math.e))
+        accum[:, padded * D:(padded + rows) * D] = 0.0
+    return dpsum, lse_log2, accum
+
+
+class PreprocessingFA4(ReferenceFA4):
+    # Hands its preprocess FA4's buffers (NaN-filled), as FA4's backward does, and keeps what was written there.
+    lse = None
+
+    @classmethod
+    def _flash_attn_fwd(cls, q, *args, **kwargs):
+        out, _, *rest = super()._flash_attn_fwd(q, *args, **kwargs)
+        return (out, cls.lse, *rest)
+
+    @classmethod
+    def _bwd_preprocess(cls, out, dout, dpsum, lse, lse_log2, dq_accum, cu_seqlens_q, seqused_q, dlse, dtype,
+                        head_dim, head_dim_v, m_block_size, row_max=None, scale_p=None, use_padded_offsets=True,
+                        nheads_major=False, pack_gqa=False, qhead_per_kvhead=1, nheads_kv=1, softmax_scale=1.0,
+                        cu_total_m_blocks=None, hdim_multiple_of=32, o_lo=None, *, fake_mode=False):
+        cls.own_preprocess_ran = True
+        for buf, value in zip((dpsum, lse_log2, dq_accum), reference_preprocess(out, dout, lse, cu_seqlens_q,
+                                                                                dpsum.size(1))):
+            buf.copy_(value)
+
+    @classmethod
+    def _flash_attn_bwd(cls, q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
+                        window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk, dv):
+        T, H, D = q.shape
+        docs = cu_seqlens_q.numel() - 1
+        padded_rows = (T + 64 * docs + 63) // 64 * 64
+        bufs = [torch.full((H, padded_rows), float("nan")), torch.full((H, padded_rows), float("nan")),
+                torch.full((H, padded_rows * D), float("nan"))]
+        cls._bwd_preprocess(out, dout, bufs[0], lse, bufs[1], bufs[2], cu_seqlens_q, None, None, torch.bfloat16, D, D,
+                            64)
+        cls.buffers, cls.expected = bufs, reference_preprocess(out, dout, lse, cu_seqlens_q, padded_rows)
+        return super()._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
+                                       window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq,
+                                       dk, dv)
+
+
+tg.fa4_interface = lambda: PreprocessingFA4
+out = []
+for T, H, lengths in [(200, 2, [64, 1, 70, 65]), (100, 1, [37])]:
+    torch.manual_seed(T)
+    D = 128
+    cu = tg.pack_cu_seqlens(lengths, T, 8)
+    yarn = tg.Yarn(D, 256)
+    cos, sin = yarn.cos.float(), yarn.sin.float()
+    qkv0, gate0, dy = torch.randn(T, 3 * H, D), torch.randn(T, H), torch.randn(T, H, D)
+    PreprocessingFA4.lse = torch.randn(H, T) * 3
+    PreprocessingFA4.lse[0, 5] = float("-inf")
+    results = {}
+    for replaceable in (True, False):
+        tg.fa4_preprocess_replaceable = lambda: replaceable
+        PreprocessingFA4.own_preprocess_ran = False
+        qkv, gate = qkv0.clone().requires_grad_(), gate0.clone().requires_grad_()
+        y = tg.fused_attention(qkv, None, gate, cos, sin, cu, max(lengths), window_table(0.125, 300), 0)
+        grads = torch.autograd.grad(y, (qkv, gate), dy)
+        results[replaceable] = (y, grads, PreprocessingFA4.own_preprocess_ran,
+                                [b.clone() for b in PreprocessingFA4.buffers], PreprocessingFA4.expected)
+    y, grads, own, bufs, expected = results[True]
+    same_nan = [bool(torch.equal(b.isnan(), e.isnan())) for b, e in zip(bufs, expected)]
+    out.append(dict(case=[T, H, lengths], own_preprocess_ran={str(k): v[2] for k, v in results.items()},
+                    same_written=same_nan,
+                    dpsum_rel_err=((bufs[0] - expected[0]).nan_to_num().abs().max()
+                                   / expected[0].nan_to_num().abs().max()).item(),
+                    lse_log2_equal=bool(torch.equal(bufs[1].nan_to_num(), expected[1].nan_to_num())),
+                    accum_zeros=bool(torch.equal(bufs[2].nan_to_num(), expected[2].nan_to_num())),
+                    grads_equal=[bool(torch.equal(a, b)) for a, b in zip(grads, results[False][1])],
+                    y_equal=bool(torch.equal(y, results[False][0]))))
+print(json.dumps(out))
+"""
+
+
+def test_the_gate_backward_does_fa4s_preprocess_in_its_buffers_where_fa4_is_the_pinned_version(interpreter_runs):
+    """Where FA4 is the version whose buffers it knows (faked here with a stand-in that hands its preprocess
+    NaN-filled buffers of FA4's sizes), the attention gate's backward pass writes FA4's dout and also what FA4's
+    preprocess writes: the row sums of dout·out (to fp32 rounding), lse in log2 units with 0 for -inf and +inf past
+    each document, the dQ accumulator's tiles zeroed, and nothing between documents; FA4's own preprocess does not
+    run. Elsewhere FA4's own runs; the output and the qkv and gate gradients are the same either way."""
+    rows = interpreted(interpreter_runs, "fa4_preprocess")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["own_preprocess_ran"] == {"True": False, "False": True}, row
+        assert row["same_written"] == [True, True, True] and row["dpsum_rel_err"] < 1e-6, row
+        assert row["lse_log2_equal"] and row["accum_zeros"], row
+        assert row["grads_equal"] == [True, True] and row["y_equal"], row

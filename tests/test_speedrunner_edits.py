@@ -167,6 +167,11 @@ def test_a_comment_docstring_or_layout_edit_keeps_the_fingerprint_and_a_code_edi
     assert tg.code_fingerprint(edited.mlp) != tg.FUSED_KERNELS["mlp"].fingerprint
 
 
+def runs_here(kernel: tg.FusedKernel) -> tg.FusedKernel:
+    """The kernel as on a GPU that runs it in full (faked): its check passes and it has no note for the log."""
+    return dataclasses.replace(kernel, check_here=lambda fp8: None, note_here=None)
+
+
 @pytest.mark.parametrize("name", list(tg.FUSED_KERNELS))
 def test_an_edited_plain_function_makes_fused_and_a_list_naming_it_refuse_where_the_kernel_would_run(monkeypatch,
                                                                                                      name):
@@ -174,8 +179,7 @@ def test_an_edited_plain_function_makes_fused_and_a_list_naming_it_refuse_where_
     with the --kernels plain message; where it cannot run, the edit is no reason to refuse: fused takes the plain
     functions (on the CPU with its one note, on a GPU with the kernel's), a list naming it says it cannot run here."""
     kernel = tg.FUSED_KERNELS[name]
-    monkeypatch.setitem(tg.FUSED_KERNELS, name, dataclasses.replace(kernel, fingerprint="000000000000",
-                                                                    check_here=lambda fp8: None))
+    monkeypatch.setitem(tg.FUSED_KERNELS, name, dataclasses.replace(runs_here(kernel), fingerprint="000000000000"))
     edited = ", ".join(fn.__name__ for fn in kernel.follows)
     for requested in ("fused", name):
         with pytest.raises(tg.ConfigError) as e:
@@ -201,24 +205,45 @@ def test_an_edited_plain_function_makes_fused_and_a_list_naming_it_refuse_where_
     others = [n for n in tg.FUSED_KERNELS if n != name]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for n in others:  # the other fused kernels stay available where they can run
-        monkeypatch.setitem(tg.FUSED_KERNELS, n, dataclasses.replace(tg.FUSED_KERNELS[n], check_here=lambda fp8: None))
+        monkeypatch.setitem(tg.FUSED_KERNELS, n, runs_here(tg.FUSED_KERNELS[n]))
     chosen, notes = tg.resolve_kernels(",".join(others), "cuda", fp8=True)
     assert chosen == dict({n: tg.FUSED_KERNELS[n].fused for n in others}, **{name: kernel.plain}) and notes == []
 
 
 def test_where_the_gpu_runs_every_fused_kernel_fused_chooses_them_all(monkeypatch):
     for name, kernel in tg.FUSED_KERNELS.items():
-        monkeypatch.setitem(tg.FUSED_KERNELS, name, dataclasses.replace(kernel, check_here=lambda fp8: None))
+        monkeypatch.setitem(tg.FUSED_KERNELS, name, runs_here(kernel))
     chosen, notes = tg.resolve_kernels("fused", "cuda", fp8=True)
     assert chosen == {name: kernel.fused for name, kernel in tg.FUSED_KERNELS.items()} and notes == []
     assert chosen == {"attention": tg.fused_attention, "mlp": tg.fused_mlp,
                       "attention_output": tg.fused_attention_output, "lm_head_loss": tg.fused_lm_head_loss}
 
 
+def test_a_fused_kernel_that_runs_in_a_lesser_way_says_so_in_one_line(monkeypatch):
+    """FlashAttention-4 of another version than the one whose backward preprocess the attention gate's backward
+    does: the fused attention still runs, FA4 runs its own preprocess, and the log says so once, naming both."""
+    for name, kernel in tg.FUSED_KERNELS.items():
+        monkeypatch.setitem(tg.FUSED_KERNELS, name, runs_here(kernel))
+    monkeypatch.setitem(tg.FUSED_KERNELS, "attention",
+                        dataclasses.replace(tg.FUSED_KERNELS["attention"], note_here=tg.fa4_preprocess_note))
+    monkeypatch.setattr(tg, "fa4_preprocess_replaceable", lambda: False)
+    import importlib.metadata
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "4.0.0b99")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    chosen, notes = tg.resolve_kernels("fused", "cuda", fp8=True)
+    assert chosen["attention"] is tg.fused_attention
+    assert notes == ["kernels: attention: FlashAttention-4 runs its own backward preprocess (the attention gate's "
+                     f"backward does its work for {tg.FA4_PREPROCESS_VERSION} on Hopper only; this is 4.0.0b99, "
+                     "compute capability 10.0)"], notes
+    monkeypatch.setattr(tg, "fa4_preprocess_replaceable", lambda: True)
+    assert tg.resolve_kernels("fused", "cuda", fp8=True)[1] == []
+
+
 def test_where_the_gpu_cannot_run_a_fused_kernel_fused_keeps_its_plain_function_and_says_why(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     kernel = tg.FUSED_KERNELS["mlp"]
-    monkeypatch.setitem(tg.FUSED_KERNELS, "mlp", dataclasses.replace(kernel, check_here=lambda fp8: None))
+    monkeypatch.setitem(tg.FUSED_KERNELS, "mlp", runs_here(kernel))
     chosen, notes = tg.resolve_kernels("fused", "cuda", fp8=False)  # the fused head is the FP8 one
     assert chosen["mlp"] is tg.fused_mlp and chosen["lm_head_loss"] is tg.lm_head_loss
     assert any(note.startswith("kernels: plain lm_head_loss (") and "--fp8" in note for note in notes), notes
@@ -245,7 +270,7 @@ def edited_mlp(monkeypatch):
 def test_a_new_mlp_activation_trains_with_the_plain_functions_and_fused_refuses_it_where_it_would_run(
         edited_mlp, data, tmp_path, monkeypatch):
     for n, k in tg.FUSED_KERNELS.items():  # a GPU that runs every fused kernel (faked)
-        monkeypatch.setitem(tg.FUSED_KERNELS, n, dataclasses.replace(k, check_here=lambda fp8: None))
+        monkeypatch.setitem(tg.FUSED_KERNELS, n, runs_here(k))
     for requested in ("fused", "mlp,lm_head_loss"):
         with pytest.raises(tg.ConfigError, match=r"the fused mlp kernel computes gelu_mlp as written when it was made, "
                                                  r"and that code has changed: run with --kernels plain"):

@@ -389,25 +389,26 @@ def twin_errors(plain: list, fused: list, ref: list, names: tuple) -> dict:
 def test_fused_attention_matches_plain_attention_against_fp32(stage, with_ve, gpu_results, monkeypatch):
     """fused_attention (q/k norm + rotary in one Triton pass, FlashAttention-4) and attention (compiled norm +
     rotary, FlashAttention-2) on a stage-3 micro-batch at a stage's windows and YaRN tables (the short and the long
-    window row): output, qkv gradient and value-embedding gradient against attention in fp32 with
-    attention_reference as its FlashAttention. The twin must be as close to fp32 as the plain function."""
+    window row): output, qkv, value-embedding and gate gradients against attention in fp32 with attention_reference
+    as its FlashAttention. The twin must be as close to fp32 as the plain function."""
     kernel = fused_kernel("attention", gpu_results)
     yarn, table = yarn_and_window_table(stage)
     cu = stage3_cu_seqlens()
     torch.manual_seed(0)
     qkv = (torch.randn(T3, 3 * H, HD, device="cuda") * 0.5).bfloat16()
     ve = torch.randn(T3, H, HD, device="cuda").bfloat16() if with_ve else None
+    gate = torch.randn(T3, H, device="cuda").bfloat16()
     g = torch.randn(T3, H, HD, device="cuda").bfloat16()
-    names = ("out", "dqkv", "dve") if with_ve else ("out", "dqkv")
+    names = ("out", "dqkv", "dve", "dgate") if with_ve else ("out", "dqkv", "dgate")
     rows = {}
     for row, label in ((0, "short"), (1, "long")):
         def call(fn, dtype):
-            return lambda q, v: fn(q, v, yarn.cos.to(dtype), yarn.sin.to(dtype), cu, MAX_SEQ, table, row)
+            return lambda q, v, gt: fn(q, v, gt, yarn.cos.to(dtype), yarn.sin.to(dtype), cu, MAX_SEQ, table, row)
         with monkeypatch.context() as m:
             m.setattr(tg, "flash_attention", attention_reference)
-            ref = grads_of(call(tg.attention, torch.float32), [qkv, ve], g, torch.float32)
-        plain = grads_of(call(compiled(kernel.plain), torch.bfloat16), [qkv, ve], g, torch.bfloat16)
-        fused = grads_of(call(compiled(kernel.fused), torch.bfloat16), [qkv, ve], g, torch.bfloat16)
+            ref = grads_of(call(tg.attention, torch.float32), [qkv, ve, gate], g, torch.float32)
+        plain = grads_of(call(compiled(kernel.plain), torch.bfloat16), [qkv, ve, gate], g, torch.bfloat16)
+        fused = grads_of(call(compiled(kernel.fused), torch.bfloat16), [qkv, ve, gate], g, torch.bfloat16)
         assert all(t.dtype == torch.bfloat16 for t in fused)
         rows[label] = twin_errors(plain, fused, ref, names)
         rows[label]["window_tokens"] = int(table[row, 1])
@@ -418,6 +419,39 @@ def test_fused_attention_matches_plain_attention_against_fp32(stage, with_ve, gp
             e = r[label][name]
             assert e["plain"] < ATTENTION_QKV_BOUND and e["fused"] < ATTENTION_QKV_BOUND, (label, name, r)
             assert e["fused"] <= 1.5 * e["plain"] + 5e-4, (label, name, r)  # FA4 and FA2 measured alike
+
+
+def test_the_gate_backward_writes_what_fa4s_own_preprocess_writes(gpu_results):
+    """On a stage-3 micro-batch: FA4's own backward preprocess and the attention gate's backward, each into
+    NaN-filled buffers of FA4's sizes, from the same out, dout and lse: the same rows written, the row sums of
+    dout·out to fp32 rounding, lse in log2 units and the zeroed dQ tiles equal; and this machine's FA4 is the version
+    whose preprocess the gate's backward replaces."""
+    fused_kernel("attention", gpu_results)
+    fa4 = tg.fa4_interface()
+    cu = stage3_cu_seqlens()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(T3, H, HD, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = fa4_forward(q, k, v, cu, MAX_SEQ, single_window(1408), 1)
+    out = out.contiguous()
+    gate, grad_y = torch.randn(T3, H, device="cuda").bfloat16(), torch.randn_like(out)
+    d_out, d_gate = torch.empty_like(out), torch.empty_like(gate)
+    tg.attention_gate_backward(grad_y, out, gate, lse, cu, d_out, d_gate)
+    padded = (T3 + 64 * (cu.numel() - 1) + 63) // 64 * 64
+    theirs, ours = ([torch.full((H, n), float("nan"), device="cuda") for n in (padded, padded, padded * HD)]
+                    for _ in range(2))
+    fa4._bwd_preprocess(out, d_out, theirs[0], lse, theirs[1], theirs[2], cu, None, None, torch.bfloat16, HD, HD, 64,
+                        fake_mode=False)
+    d_out2 = torch.empty_like(out)
+    tg.attention_gate_backward(grad_y, out, gate, lse, cu, d_out2, torch.empty_like(gate), *ours)
+    written = [bool(torch.equal(a.isnan(), b.isnan())) for a, b in zip(ours, theirs)]
+    r = gpu_results["fa4_preprocess_by_the_gate_backward"] = dict(
+        replaceable=tg.fa4_preprocess_replaceable(), same_rows_written=written,
+        dpsum_rel_diff=rel(ours[0].nan_to_num(), theirs[0].nan_to_num()),
+        lse_log2_equal=bool(torch.equal(ours[1].nan_to_num(), theirs[1].nan_to_num())),
+        accumulator_equal=bool(torch.equal(ours[2].nan_to_num(), theirs[2].nan_to_num())),
+        d_out_equal=bool(torch.equal(d_out, d_out2)))
+    assert r["replaceable"] and written == [True, True, True] and r["dpsum_rel_diff"] < 1e-5, r
+    assert r["lse_log2_equal"] and r["accumulator_equal"] and r["d_out_equal"], r
 
 
 def test_fused_mlp_matches_plain_mlp_against_float64(gpu_results):
