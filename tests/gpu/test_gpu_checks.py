@@ -425,8 +425,8 @@ def test_fused_attention_matches_plain_attention_against_fp32(stage, with_ve, gp
 def test_the_gate_backward_writes_what_fa4s_own_preprocess_writes(gpu_results):
     """On a stage-3 micro-batch: FA4's own backward preprocess and the attention gate's backward, each into
     NaN-filled buffers of FA4's sizes, from the same out, dout and lse: the same rows written, the row sums of
-    dout·out to fp32 rounding, lse in log2 units and the zeroed dQ tiles equal; and this machine's FA4 is the version
-    whose preprocess the gate's backward replaces."""
+    dout·out to fp32 rounding, lse in log2 units and the zeroed dQ tiles equal; and on this machine fa4_backward hands
+    the gate's backward FA4's buffers (its FA4 is the version whose preprocess it replaces, called as expected)."""
     fused_kernel("attention", gpu_results)
     fa4 = tg.fa4_interface()
     cu = stage3_cu_seqlens()
@@ -457,13 +457,18 @@ def test_the_gate_backward_writes_what_fa4s_own_preprocess_writes(gpu_results):
     d_out2 = torch.empty_like(out)
     tg.attention_gate_backward(grad_y, out, gate, lse, cu, d_out2, torch.empty_like(gate), *ours)
     written = [bool(torch.equal(a.isnan(), b.isnan())) for a, b in zip(ours, theirs)]
+    handed = []  # what fa4_backward hands the gate's backward here: FA4's three buffers, or None for each
+    fa4_backward(d_out, q, k, v, out, lse, cu, MAX_SEQ, single_window(1408), 1, dq=torch.empty_like(q),
+                 dk=torch.empty_like(k), dv=torch.empty_like(v),
+                 fill_grad_out=lambda *buffers: handed.append([b is not None for b in buffers]))
     r = gpu_results["fa4_preprocess_by_the_gate_backward"] = dict(
-        replaceable=tg.fa4_preprocess_replaceable(), same_rows_written=written,
+        replaceable=tg.fa4_preprocess_replaceable(), buffers_handed=handed, same_rows_written=written,
         dpsum_rel_diff=rel(ours[0].nan_to_num(), theirs[0].nan_to_num()),
         lse_log2_equal=bool(torch.equal(ours[1].nan_to_num(), theirs[1].nan_to_num())),
         accumulator_equal=bool(torch.equal(ours[2].nan_to_num(), theirs[2].nan_to_num())),
         d_out_equal=bool(torch.equal(d_out, d_out2)))
-    assert r["replaceable"] and written == [True, True, True] and r["dpsum_rel_diff"] < 1e-5, r
+    assert r["replaceable"] and handed == [[True, True, True]], r
+    assert written == [True, True, True] and r["dpsum_rel_diff"] < 1e-5, r
     assert r["lse_log2_equal"] and r["accumulator_equal"] and r["d_out_equal"], r
 
 
