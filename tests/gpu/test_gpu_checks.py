@@ -458,9 +458,12 @@ def test_the_gate_backward_writes_what_fa4s_own_preprocess_writes(gpu_results):
     tg.attention_gate_backward(grad_y, out, gate, lse, cu, d_out2, torch.empty_like(gate), *ours)
     written = [bool(torch.equal(a.isnan(), b.isnan())) for a, b in zip(ours, theirs)]
     handed = []  # what fa4_backward hands the gate's backward here: FA4's three buffers, or None for each
+
+    def fill(*buffers):
+        handed.append([b is not None for b in buffers])
+        tg.attention_gate_backward(grad_y, out, gate, lse, cu, d_out, torch.empty_like(gate), *buffers)
     fa4_backward(d_out, q, k, v, out, lse, cu, MAX_SEQ, single_window(1408), 1, dq=torch.empty_like(q),
-                 dk=torch.empty_like(k), dv=torch.empty_like(v),
-                 fill_grad_out=lambda *buffers: handed.append([b is not None for b in buffers]))
+                 dk=torch.empty_like(k), dv=torch.empty_like(v), fill_grad_out=fill)
     r = gpu_results["fa4_preprocess_by_the_gate_backward"] = dict(
         replaceable=tg.fa4_preprocess_replaceable(), buffers_handed=handed, same_rows_written=written,
         dpsum_rel_diff=rel(ours[0].nan_to_num(), theirs[0].nan_to_num()),
