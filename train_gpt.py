@@ -2481,7 +2481,7 @@ def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: f
     assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
     _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
         logits, lse, targets, grad, out, out_t, T, V, grad_s, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t,
-        BLOCK_V=block_v, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
+        BLOCK_V=block_v, PTX_TANH=not _TRITON_INTERPRET, EVEN=T % block_t == 0 and V % block_v == 0, num_warps=warps)
 
 class FusedLMHeadLoss(torch.autograd.Function):
     """lm_head_loss in fewer passes: the FP8 matmul, one Triton pass for the log-sum-exp, and in the backward one that
@@ -2569,7 +2569,7 @@ if triton is not None:
     @triton.jit
     def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
                                     CAP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-                                    BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr):
+                                    BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr, EVEN: tl.constexpr):
         # One (BLOCK_T x BLOCK_V) tile of grad·d/dlogits sum_t CE(softcap(logits_t), target_t):
         #   g = grad·(softmax(z) - onehot)·(CAP/WIDTH)·s·(1-s),  z = CAP·s, s = sigmoid(logit/WIDTH)
         # rounded to bf16 (the record's gradient dtype), divided by grad_s, cast to e5m2 and stored as (T, V) for dX
@@ -2581,8 +2581,10 @@ if triton is not None:
         c = tl.arange(0, BLOCK_V)
         rows = row0 + r
         cols = col0 + c
-        rmask = rows < T
-        mask = rmask[:, None] & (cols[None, :] < V)
+        # EVEN: the tiles divide (T, V), as at every stage of the trainer; the masks, and the mask's trip through
+        # shared memory for the transposed store, go
+        rmask = (rows < T) | EVEN
+        mask = rmask[:, None] & ((cols[None, :] < V) | EVEN)
         tile = row0.to(tl.int64) * V + col0             # (row0, col0) in the (T, V) layout
         tile_t = col0.to(tl.int64) * T + row0           # (col0, row0) in the (V, T) layout
         x = tl.load(logits + tile + (r[:, None] * V + c[None, :]), mask=mask, other=0.0).to(tl.float32)
