@@ -2628,7 +2628,7 @@ def launch_softcap_ce_forward(logits, targets, lse, per_token):
     assert block_t * V < 2 ** 31, "in-tile offsets are int32"
     _softcap_ce_forward_kernel[(triton.cdiv(T, block_t),)](
         logits, targets, lse, per_token, T, V, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t, BLOCK_V=block_v,
-        PTX_TANH=not _TRITON_INTERPRET, EVEN_T=T % block_t == 0, num_warps=warps)
+        PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
 
 def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: float):
     """_softcap_ce_backward_kernel into out (T, V) and out_t (V, T), uint8 buffers of e5m2 bytes."""
@@ -2637,7 +2637,7 @@ def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: f
     assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
     _softcap_ce_backward_kernel[(triton.cdiv(T, block_t), triton.cdiv(V, block_v))](
         logits, lse, targets, grad, out, out_t, T, V, grad_s, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t,
-        BLOCK_V=block_v, PTX_TANH=not _TRITON_INTERPRET, EVEN=T % block_t == 0 and V % block_v == 0, num_warps=warps)
+        BLOCK_V=block_v, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
 
 class FusedLMHeadLoss(torch.autograd.Function):
     """lm_head_loss in fewer passes: the FP8 matmul, one Triton pass for the log-sum-exp, and in the backward one that
@@ -2725,7 +2725,7 @@ if triton is not None:
     @triton.jit
     def _softcap_ce_backward_kernel(logits, lse, targets, grad, out, out_t, T, V, grad_s,
                                     CAP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-                                    BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr, EVEN: tl.constexpr):
+                                    BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr):
         # One (BLOCK_T x BLOCK_V) tile of grad·d/dlogits sum_t CE(softcap(logits_t), target_t):
         #   g = grad·(softmax(z) - onehot)·(CAP/WIDTH)·s·(1-s),  z = CAP·s, s = sigmoid(logit/WIDTH)
         # rounded to bf16 (the record's gradient dtype), divided by grad_s, cast to e5m2 and stored as (T, V) for dX
@@ -2737,10 +2737,8 @@ if triton is not None:
         c = tl.arange(0, BLOCK_V)
         rows = row0 + r
         cols = col0 + c
-        # EVEN: the tiles divide (T, V), as at every stage of the trainer; the masks, and the mask's trip through
-        # shared memory for the transposed store, go
-        rmask = (rows < T) | EVEN
-        mask = rmask[:, None] & ((cols[None, :] < V) | EVEN)
+        rmask = rows < T
+        mask = rmask[:, None] & (cols[None, :] < V)
         tile = row0.to(tl.int64) * V + col0             # (row0, col0) in the (T, V) layout
         tile_t = col0.to(tl.int64) * T + row0           # (col0, row0) in the (V, T) layout
         x = tl.load(logits + tile + (r[:, None] * V + c[None, :]), mask=mask, other=0.0).to(tl.float32)
@@ -2758,33 +2756,25 @@ if triton is not None:
 
     @triton.jit
     def _softcap_ce_forward_kernel(logits, targets, lse, per_token, T, V, CAP: tl.constexpr, WIDTH: tl.constexpr,
-                                   BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr,
-                                   EVEN_T: tl.constexpr):
+                                   BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, PTX_TANH: tl.constexpr):
         # BLOCK_T rows of the (T, V) logits, swept in BLOCK_V-wide chunks: lse = log sum_v exp(CAP·s) with no max
         # pass (the softcap bounds z below CAP), then per_token = lse - z_target. exp(CAP·s) is one exp2 with
         # the constant folded; the sigmoid comes from tanh.approx, as in the fused backward. The
         # target's term keeps the exact sigmoid.
-        # The whole chunks first with no column mask (and no row mask where BLOCK_T divides T: EVEN_T), then the
-        # last, partial one masked: the same sums in the same order.
         row0 = tl.program_id(0) * BLOCK_T
         r = tl.arange(0, BLOCK_T)
         rows = row0 + r
-        rmask = (rows < T) | EVEN_T
+        rmask = rows < T
         base = row0.to(tl.int64) * V
         acc = tl.zeros([BLOCK_T], dtype=tl.float32)
-        whole = V // BLOCK_V * BLOCK_V
-        for col0 in range(0, whole, BLOCK_V):
+        for col0 in range(0, V, BLOCK_V):
             cols = col0 + tl.arange(0, BLOCK_V)
-            x = tl.load(logits + base + (r[:, None] * V + cols[None, :]), mask=rmask[:, None], other=0.0)
-            e = tl.exp2(_softcap_sigmoid(x.to(tl.float32), WIDTH, True, PTX_TANH) * (CAP * 1.4426950408889634))
-            acc += tl.sum(e, axis=1)
-        if whole < V:
-            cols = whole + tl.arange(0, BLOCK_V)
             mask = rmask[:, None] & (cols[None, :] < V)
             x = tl.load(logits + base + (r[:, None] * V + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
-            e = tl.exp2(_softcap_sigmoid(x, WIDTH, True, PTX_TANH) * (CAP * 1.4426950408889634))
+            s = _softcap_sigmoid(x, WIDTH, True, PTX_TANH)
+            e = tl.exp2(s * (CAP * 1.4426950408889634))
             acc += tl.sum(tl.where(mask, e, 0.0), axis=1)
-        row_lse = tl.log(tl.where(rmask, acc, 1.0))  # rows past T: no log of 0
+        row_lse = tl.log(acc)
         target = tl.load(targets + rows, mask=rmask, other=0)
         x_t = tl.load(logits + rows.to(tl.int64) * V + target, mask=rmask, other=0.0).to(tl.float32)
         z_t = CAP * _softcap_sigmoid(x_t, WIDTH, False, PTX_TANH)
