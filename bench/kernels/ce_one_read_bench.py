@@ -45,7 +45,7 @@ print(json.dumps(res), flush=True)
 lse, pt = torch.empty(T, device="cuda"), torch.empty(T, device="cuda")
 q, qt = torch.empty((T, V), dtype=torch.uint8, device="cuda"), torch.empty((V, T), dtype=torch.uint8, device="cuda")
 rows = {}
-CONFIGS = [((64, 128, 8), rb, la, split) for split in (1, 2, 4, 8) for rb in (1024, 2048) for la in (2, 4)]
+CONFIGS = [((64, 128, 8), rb, la, split) for split in (1, 2, 4, 8) for rb in (1024, 4096) for la in (2, 4)]
 for tile, rb, la, split in CONFIGS:
     name = f"{tile} row_block={rb} lookahead={la} split={split}"
     try:
