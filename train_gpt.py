@@ -2639,52 +2639,6 @@ def launch_softcap_ce_backward(logits, lse, targets, grad, out, out_t, grad_s: f
         logits, lse, targets, grad, out, out_t, T, V, grad_s, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t,
         BLOCK_V=block_v, PTX_TANH=not _TRITON_INTERPRET, num_warps=warps)
 
-# The one-read version: the gradient needs each row's log-sum-exp, a sum over all 50,304 classes, so its tiles wait
-# for it. One launch interleaves the two kinds of program: for each band of BLOCK_T rows, BLOCK_T programs that sum a
-# row each, then, LOOKAHEAD bands later in launch order, the band's gradient tiles, which wait for their rows' sums
-# and read the logits again while the band is still in L2 (about 13 MB passes through L2 between the two reads at
-# LOOKAHEAD 2). The GPU starts programs in launch order, so a waiting tile never holds back the programs it waits for.
-CE_ONE_READ_TILE = (64, 128, 8)   # BLOCK_T, BLOCK_V, num_warps of the gradient tiles (the backward's tile above)
-CE_ONE_READ_ROW_BLOCK = 1024      # columns per step of a row's log-sum-exp
-CE_ONE_READ_LOOKAHEAD = 2         # bands whose sums are launched ahead of a band's gradient tiles
-CE_ONE_READ_ROW_SPLIT = 4         # programs per row's sum (shares added with fp32 atomics past 1)
-
-@torch.library.custom_op("speedrun::softcap_ce_with_gradient", mutates_args=())
-def fused_softcap_ce_with_gradient(logits: Tensor, targets: Tensor, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(summed cross-entropy of softcap(logits) in fp32, e5m2(bf16(d loss / d logits) / grad_s) in the (T, V) and
-    the (V, T) layout the FP8 backward's two GEMMs read), from one read of the logits out of memory. The gradient is
-    that of the summed loss itself: the caller folds the loss's incoming gradient into the GEMMs' scale."""
-    T, V = logits.shape
-    lse = logits.new_empty(T, dtype=torch.float32)
-    per_token = torch.empty_like(lse)
-    g, g_t = logits.new_empty((T, V), dtype=torch.uint8), logits.new_empty((V, T), dtype=torch.uint8)
-    launch_softcap_ce_one_read(logits, targets, lse, per_token, g, g_t, grad_s)
-    return per_token.sum(), g.view(torch.float8_e5m2), g_t.view(torch.float8_e5m2)
-
-@fused_softcap_ce_with_gradient.register_fake
-def _(logits, targets, grad_s):
-    T, V = logits.shape
-    return (logits.new_empty((), dtype=torch.float32), logits.new_empty((T, V), dtype=torch.float8_e5m2),
-            logits.new_empty((V, T), dtype=torch.float8_e5m2))
-
-def launch_softcap_ce_one_read(logits, targets, lse, per_token, out, out_t, grad_s: float):
-    """_softcap_ce_one_read_kernel: lse and per_token (T,) fp32 = lse - z_target, out (T, V) and out_t (V, T) uint8
-    buffers of the e5m2 gradient of the summed loss, over grad_s."""
-    T, V = logits.shape
-    assert logits.is_contiguous()
-    block_t, block_v, warps = CE_ONE_READ_TILE
-    assert block_t * V < 2 ** 31 and block_v * T < 2 ** 31, "in-tile offsets are int32"
-    bands, chunks = triton.cdiv(T, block_t), triton.cdiv(V, block_v)
-    split = CE_ONE_READ_ROW_SPLIT
-    part = triton.cdiv(triton.cdiv(V, split), CE_ONE_READ_ROW_BLOCK) * CE_ONE_READ_ROW_BLOCK  # columns per share
-    sync = torch.zeros(bands + bands * block_t, dtype=torch.int32, device=logits.device)  # counts, then row sums
-    grid = ((bands + CE_ONE_READ_LOOKAHEAD) * (block_t * split + chunks),)
-    _softcap_ce_one_read_kernel[grid](
-        logits, targets, lse, per_token, out, out_t, sync[:bands], sync[bands:].view(torch.float32), T, V, bands, part,
-        grad_s, CAP=SOFTCAP, WIDTH=SOFTCAP_WIDTH, BLOCK_T=block_t, BLOCK_V=block_v, SPLIT=split,
-        ROW_BLOCK=CE_ONE_READ_ROW_BLOCK, LOOKAHEAD=CE_ONE_READ_LOOKAHEAD, PTX_TANH=not _TRITON_INTERPRET,
-        num_warps=warps)
-
 class FusedLMHeadLoss(torch.autograd.Function):
     """lm_head_loss in fewer passes: the FP8 matmul, one Triton pass for the log-sum-exp, and in the backward one that
     writes the e5m2 gradient in both layouts the FP8 GEMMs read (no bf16 gradient tensor, cast or transpose)."""
@@ -2826,69 +2780,6 @@ if triton is not None:
         z_t = CAP * _softcap_sigmoid(x_t, WIDTH, False, PTX_TANH)
         tl.store(lse + rows, row_lse, mask=rmask)
         tl.store(per_token + rows, row_lse - z_t, mask=rmask)
-
-    @triton.jit
-    def _softcap_ce_one_read_kernel(logits, targets, lse, per_token, out, out_t, counts, sums, T, V, bands, part,
-                                    grad_s, CAP: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
-                                    BLOCK_V: tl.constexpr, SPLIT: tl.constexpr, ROW_BLOCK: tl.constexpr,
-                                    LOOKAHEAD: tl.constexpr, PTX_TANH: tl.constexpr):
-        # Launch order, in segments of BLOCK_T·SPLIT + chunks programs: segment k holds band k's row shares (row i's
-        # columns in SPLIT parts, one program each), then band (k - LOOKAHEAD)'s gradient tiles. A share adds its
-        # part of sum_v exp(z) to the row's sum and counts in at the band; a tile waits for the band's count, takes
-        # lse = log(sum), writes the backward pass's tile for an incoming gradient of 1, and the tile at column 0
-        # writes the band's lse and loss.
-        chunks = tl.cdiv(V, BLOCK_V)
-        segment = tl.program_id(0) // (BLOCK_T * SPLIT + chunks)
-        i = tl.program_id(0) % (BLOCK_T * SPLIT + chunks)
-        if i < BLOCK_T * SPLIT:
-            band = segment
-            row = band * BLOCK_T + i // SPLIT
-            if band < bands:
-                if row < T:
-                    base = row.to(tl.int64) * V
-                    start = (i % SPLIT) * part
-                    acc = tl.zeros([ROW_BLOCK], dtype=tl.float32)
-                    for col0 in range(start, start + part, ROW_BLOCK):
-                        cols = col0 + tl.arange(0, ROW_BLOCK)
-                        x = tl.load(logits + base + cols, mask=cols < V, other=0.0).to(tl.float32)
-                        e = tl.exp2(_softcap_sigmoid(x, WIDTH, True, PTX_TANH) * (CAP * 1.4426950408889634))
-                        acc += tl.where(cols < V, e, 0.0)
-                    if SPLIT == 1:
-                        tl.store(sums + row, tl.sum(acc, axis=0))
-                    else:
-                        tl.atomic_add(sums + row, tl.sum(acc, axis=0), sem="relaxed", scope="gpu")
-                    tl.debug_barrier()  # the share before the count that publishes it
-                tl.atomic_add(counts + band, 1, sem="release", scope="gpu")
-        elif segment >= LOOKAHEAD:
-            band = segment - LOOKAHEAD
-            while tl.load(counts + band, volatile=True) < BLOCK_T * SPLIT:
-                pass
-            tl.atomic_add(counts + band, 0, sem="acquire", scope="gpu")  # orders the reads below after the count
-            row0 = band * BLOCK_T
-            col0 = (i - BLOCK_T * SPLIT) * BLOCK_V
-            r = tl.arange(0, BLOCK_T)
-            c = tl.arange(0, BLOCK_V)
-            rows = row0 + r
-            cols = col0 + c
-            rmask = rows < T
-            mask = rmask[:, None] & (cols[None, :] < V)
-            tile = row0.to(tl.int64) * V + col0
-            tile_t = col0.to(tl.int64) * T + row0
-            x = tl.load(logits + tile + (r[:, None] * V + c[None, :]), mask=mask, other=0.0).to(tl.float32)
-            row_lse = tl.log(tl.load(sums + rows, mask=rmask, other=1.0, cache_modifier=".cg"))
-            row_target = tl.load(targets + rows, mask=rmask, other=-1)
-            s = _softcap_sigmoid(x, WIDTH, True, PTX_TANH)
-            p = tl.exp(CAP * s - row_lse[:, None])
-            onehot = (cols[None, :] == row_target[:, None]).to(tl.float32)
-            g = (p - onehot) * (CAP / WIDTH) * s * (1.0 - s)
-            g = g.to(tl.bfloat16).to(tl.float32) * (1.0 / grad_s)
-            q = g.to(tl.float8e5).to(tl.uint8, bitcast=True)
-            tl.store(out + tile + (r[:, None] * V + c[None, :]), q, mask=mask)
-            tl.store(out_t + tile_t + (c[:, None] * T + r[None, :]), tl.trans(q), mask=tl.trans(mask))
-            if col0 == 0:
-                x_t = tl.load(logits + rows.to(tl.int64) * V + row_target, mask=rmask, other=0.0).to(tl.float32)
-                tl.store(lse + rows, row_lse, mask=rmask)
-                tl.store(per_token + rows, row_lse - CAP * _softcap_sigmoid(x_t, WIDTH, False, PTX_TANH), mask=rmask)
 
 def needs_cuda_triton(fp8: bool = True):
     if triton is None or not torch.cuda.is_available() or not fp8:
