@@ -768,7 +768,7 @@ class ReferenceFA4:
     @classmethod
     def _flash_attn_bwd(cls, q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
                         window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk, dv):
-        """Writes into the dq, dk, dv buffers it is handed (FA4's out arguments, which fa4_qkv uses to put dv
+        """Writes into the dq, dk, dv buffers it is handed (FA4's out arguments, which fa4_gated_qkv uses to put dv
         straight into the qkv gradient)."""
         cls.calls.append(["bwd", softmax_scale, causal, window_size_left, window_size_right, softcap])
         mask = dense_mask(cu_seqlens_q, q.size(0), window_size_left)
