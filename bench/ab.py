@@ -7,8 +7,9 @@ compares them stage by stage (bench/README.md, "Speed A/B", has examples and the
 A command is a bash command line run in --a-dir / --b-dir (default: here; an older commit's files there make a
 commit-vs-commit A/B); {out} becomes DIR/a<k>.json or DIR/b<k>.json, its console DIR/a<k>.log. Pair k runs A then B
 on one lane; --lanes gives each lane a CUDA_VISIBLE_DEVICES value and odd lanes run B first. Under a deadline a pair
-starts only with time for both runs (each: the longest so far, at least --min-left), a run still going at the
-deadline is cut, and only pairs with both runs finished count: A and B stay balanced. The first failed run stops new
+starts only with time for both runs (each: its side's latest run, or the other side's before it has one, at least
+--min-left; a first, cold-compiling run does not hold back the warm ones after it), a run still going at the deadline
+is cut, and only pairs with both runs finished count: A and B stay balanced. The first failed run stops new
 pairs. Writes DIR/ab.json, then prints the table. Exit status 0 with a pair counted and no run failed, else 1; 2 on
 bad arguments; 130/143 when interrupted (after writing what finished).
 """
@@ -116,24 +117,31 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+def run_needs(s, side: str) -> float:
+    """Seconds a run of this side is taken to need: its latest finished run (the other side's latest before it has
+    one), at least --min-left."""
+    other = s.latest.get("b" if side == "a" else "a", 0.0)
+    return max(s.args.min_left, s.latest.get(side, other))
+
+
 def lane_loop(s, lane_no: int, lane) -> None:
     sides = ("a", "b") if lane_no % 2 == 0 else ("b", "a")
     while True:
         with s.lock:
-            need = max(s.args.min_left, s.longest)
-            if s.stop or s.next_pair > s.args.pairs or (s.deadline and s.deadline - time.time() < 2 * need):
+            need = run_needs(s, "a") + run_needs(s, "b")
+            if s.stop or s.next_pair > s.args.pairs or (s.deadline and s.deadline - time.time() < need):
                 return
             pair, s.next_pair = s.next_pair, s.next_pair + 1
         for i, side in enumerate(sides):
             if s.stop:
                 return
-            if i and s.deadline and s.deadline - time.time() < max(s.args.min_left, s.longest):
+            if i and s.deadline and s.deadline - time.time() < run_needs(s, side):
                 print(f"{side}{pair}: not started, too little time before the deadline", flush=True)
                 return
             run = run_one(s, side, pair, lane_no, lane)
             with s.lock:
                 if run["ok"]:
-                    s.longest = max(s.longest, run["seconds"])
+                    s.latest[side] = run["seconds"]
                 elif not run.get("cut_at_deadline"):
                     s.stop = s.failed = True
             if not run["ok"]:
@@ -215,7 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, help="unix time by which every run has ended")
     ap.add_argument("--budget", type=float, help="seconds from now: --deadline now + S")
     ap.add_argument("--min-left", type=float, default=0.0,
-                    help="seconds a run is taken to need at least (the longest run so far, once longer)")
+                    help="seconds a run is taken to need at least (its side's latest run, once longer)")
     ap.add_argument("--commit", default="", help="recorded instead of .git's HEAD (a copied tree's may be stale)")
     try:
         args = ap.parse_args(argv)
@@ -243,7 +251,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     args.a_dir, args.b_dir = str(Path(args.a_dir).resolve()), str(Path(args.b_dir).resolve())
     s = argparse.Namespace(args=args, out=out, deadline=deadline, lock=threading.Lock(), runs=[], procs=set(),
-                           next_pair=1, longest=0.0, stop=False, failed=False, signal=None)
+                           next_pair=1, latest={}, stop=False, failed=False, signal=None)
 
     def interrupted(signum, _frame):
         s.stop, s.signal = True, signum

@@ -126,6 +126,14 @@ def test_a_run_cut_at_the_deadline_drops_its_pair_so_a_and_b_stay_balanced(stub)
     assert s["pairs_counted"] == [1] and s["stages"]["stage 1"]["a_ms"] == [100.0]
 
 
+def test_a_slow_first_pair_does_not_hold_back_the_fast_pairs_after_it(stub):
+    """A device call's first runs compile cold: the next pair is sized by each side's latest run, not the slowest.
+    Sized by the slowest (a1's 4 s, twice), pair 2 would not start with about 5.5 s left."""
+    assert ab.main(stub.argv("--pairs", "3", "--budget", "10", sleep={"a1": 4.0})) == 0
+    s = summary(stub)
+    assert s["order"] == ["a1", "b1", "a2", "b2", "a3", "b3"] and s["pairs_counted"] == [1, 2, 3]
+
+
 def test_no_pair_starts_without_time_for_both_runs(stub):
     assert ab.main(stub.argv("--pairs", "2", "--budget", "3", "--min-left", "2")) == 1
     assert stub.calls() == [] and summary(stub)["pairs_counted"] == []
