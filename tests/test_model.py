@@ -1055,3 +1055,12 @@ def test_the_gate_backward_does_fa4s_preprocess_in_its_buffers_where_fa4_is_the_
         assert row["same_written"] == [True, True, True] and row["dpsum_rel_err"] < 1e-6, row
         assert row["lse_log2_equal"] and row["accum_zeros"], row
         assert row["grads_equal"] == [True, True] and row["y_equal"], row
+
+
+def test_the_fa4_version_whose_preprocess_the_gate_does_is_the_one_requirements_gpu_pins():
+    """A bumped pin without a look at FA4's new buffers would still train (its own preprocess runs, one log line
+    says so) but lose the pass: the two move together."""
+    from pathlib import Path
+    pins = dict(line.split("==") for line in (Path(__file__).resolve().parents[1] / "requirements-gpu.txt")
+                .read_text().splitlines() if "==" in line and not line.startswith("#"))
+    assert pins["flash-attn-4"].strip() == tg.FA4_PREPROCESS_VERSION
