@@ -2212,23 +2212,22 @@ def fa4_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen: int, windo
 # fa4_backward_sm90.md). Another version keeps its own preprocess, and the log says so.
 FA4_PREPROCESS_VERSION = "4.0.0b36"
 
-@functools.cache
-def fa4_preprocess_replaceable() -> bool:
+def fa4_installed_version() -> str | None:
+    """flash-attn-4's installed version, None where it is not installed under that name."""
     import importlib.metadata
     try:
-        return (importlib.metadata.version("flash-attn-4") == FA4_PREPROCESS_VERSION
-                and torch.cuda.get_device_capability()[0] == 9)
+        return importlib.metadata.version("flash-attn-4")
     except importlib.metadata.PackageNotFoundError:
-        return False
+        return None
+
+@functools.cache
+def fa4_preprocess_replaceable() -> bool:
+    return fa4_installed_version() == FA4_PREPROCESS_VERSION and torch.cuda.get_device_capability()[0] == 9
 
 def fa4_preprocess_note() -> str | None:
     if fa4_preprocess_replaceable():
         return None
-    import importlib.metadata
-    try:
-        version = importlib.metadata.version("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        version = "not installed as flash-attn-4"
+    version = fa4_installed_version() or "not installed as flash-attn-4"
     return (f"FlashAttention-4 runs its own backward preprocess (the attention gate's backward does its work for "
             f"{FA4_PREPROCESS_VERSION} on Hopper only; this is {version}, compute capability "
             f"{'.'.join(map(str, torch.cuda.get_device_capability()))})")
