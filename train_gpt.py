@@ -3683,7 +3683,9 @@ def collective_failed(e: Exception) -> bool:
 
 def stop_run(stop: RunStopped, rank: int) -> None:
     """The end of a run that stops early: the log's last line, echoed on rank 0 as the run's one line, and its exit
-    status, without the process group's teardown (which could wait on ranks already gone)."""
+    status, without the process group's teardown (which could wait on ranks already gone). A signal from here on (the
+    launcher stops the other ranks once one has ended) would otherwise replace this stop's status by 1."""
+    ignore_further_signals()
     line = stop.last_line(where_the_run_is())
     if Logger.active is not None:
         end_log(line, console=True)
@@ -3978,6 +3980,7 @@ def main(argv=None) -> int:
         run(parse_args(argv))
         status = 0
     except (ConfigError, ShardError, DataExhausted) as e:
+        ignore_further_signals()  # the launcher's SIGTERM, sent once another rank has ended, must not cut this short
         # Config errors are seen identically by every rank: rank 0 speaks for all. Data errors during training
         # may hit one rank only, so that rank reports it (torchrun then stops the others).
         end_log(f"stopped {where_the_run_is()}: {e}")
@@ -3992,11 +3995,13 @@ def main(argv=None) -> int:
     except RunStopped as stop:
         stop_run(stop, rank)
     except OSError as e:  # a full disk, a folder taken away: one line, and the log keeps what it has
+        ignore_further_signals()
         said = f"{e.filename or 'input/output'}: {e.strerror or e}"
         end_log(f"stopped {where_the_run_is()}: {said}")
         print(f"{prefix}: {said}", file=sys.stderr, flush=True)
         status = OUTPUT_FAILED
     except Exception as e:
+        ignore_further_signals()
         where = where_the_run_is()
         if collective_failed(e):
             stop_run(PeerGone(), rank)

@@ -635,6 +635,25 @@ def test_a_run_stop_passes_through_code_that_catches_exceptions():
                 pass
 
 
+def test_the_launchers_sigterm_while_a_stop_is_written_keeps_that_stops_status_and_last_line(main, data, tmp_path,
+                                                                                             monkeypatch):
+    """torchrun stops the other ranks with SIGTERM once one has ended: a SIGTERM that reaches a rank while it writes
+    its own stop (here a non-finite loss) changes neither its exit status nor its log's last line."""
+    close = tg.Logger.close
+
+    def close_under_sigterm(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the handler runs here
+        return close(self, *args, **kwargs)
+
+    monkeypatch.setattr(tg.Logger, "close", close_under_sigterm)
+    status, out, err = main(tiny_args(data, tmp_path / "logs", "--run-id", "diverged", "--adam-lr", "1e30",
+                                      "--muon-lr", "1e30"))
+    text = log_text(tmp_path / "logs" / "diverged.txt")
+    assert status == tg.TrainingDiverged.status and "Traceback" not in out + err, (status, out[-2000:], err)
+    assert re.fullmatch(r"stopped at step \d+: its training loss is not finite", last_line(text)), last_line(text)
+
+
 def test_a_second_signal_while_the_first_one_stops_the_run_adds_nothing(main, data, tmp_path, monkeypatch):
     def nvidia_smi():  # Ctrl-C, and the launcher's SIGTERM right behind it, both before the first is handled
         # (sent from another process while this one waits in C: no Python runs between the two)
