@@ -3683,9 +3683,7 @@ def collective_failed(e: Exception) -> bool:
 
 def stop_run(stop: RunStopped, rank: int) -> None:
     """The end of a run that stops early: the log's last line, echoed on rank 0 as the run's one line, and its exit
-    status, without the process group's teardown (which could wait on ranks already gone). A signal from here on (the
-    launcher stops the other ranks once one has ended) would otherwise replace this stop's status by 1."""
-    ignore_further_signals()
+    status, without the process group's teardown (which could wait on ranks already gone)."""
     line = stop.last_line(where_the_run_is())
     if Logger.active is not None:
         end_log(line, console=True)
@@ -3977,10 +3975,15 @@ def main(argv=None) -> int:
     prefix = "error" if rank == 0 else f"error (rank {rank})"
     status = 1
     try:
-        run(parse_args(argv))
+        try:
+            run(parse_args(argv))
+        except BaseException:
+            # Whatever ended the run, its stop is under way: a signal now (the launcher's SIGTERM to every rank once
+            # one has ended) would cut it short, and the exit status would be 1 instead of the stop's own.
+            ignore_further_signals()
+            raise
         status = 0
     except (ConfigError, ShardError, DataExhausted) as e:
-        ignore_further_signals()  # the launcher's SIGTERM, sent once another rank has ended, must not cut this short
         # Config errors are seen identically by every rank: rank 0 speaks for all. Data errors during training
         # may hit one rank only, so that rank reports it (torchrun then stops the others).
         end_log(f"stopped {where_the_run_is()}: {e}")
@@ -3995,13 +3998,11 @@ def main(argv=None) -> int:
     except RunStopped as stop:
         stop_run(stop, rank)
     except OSError as e:  # a full disk, a folder taken away: one line, and the log keeps what it has
-        ignore_further_signals()
         said = f"{e.filename or 'input/output'}: {e.strerror or e}"
         end_log(f"stopped {where_the_run_is()}: {said}")
         print(f"{prefix}: {said}", file=sys.stderr, flush=True)
         status = OUTPUT_FAILED
     except Exception as e:
-        ignore_further_signals()
         where = where_the_run_is()
         if collective_failed(e):
             stop_run(PeerGone(), rank)
